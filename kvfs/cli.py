@@ -1,0 +1,343 @@
+"""`kvfs`: one program, one small function per subcommand.
+
+Exit codes: 0 success; 1 the operation failed (the message says why); 2 bad usage or
+configuration; 3 not a kvfs mount / not mounted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from . import __version__
+from .config import ConfigError, load, parse_size
+
+log = logging.getLogger("kvfs")
+
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_NOT_MOUNTED = 3
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAIL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _setup_logging(log_file: str | None, debug: bool) -> None:
+    handler: logging.Handler
+    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def _stats_path(mountpoint: str) -> str:
+    return os.path.join(mountpoint, ".kvfs", "stats.json")
+
+
+def read_stats(mountpoint: str) -> dict[str, Any]:
+    if not os.path.ismount(mountpoint):
+        raise CliError(f"{mountpoint} is not mounted", EXIT_NOT_MOUNTED)
+    try:
+        with open(_stats_path(mountpoint), "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise CliError(f"{mountpoint} is not a kvfs mount", EXIT_NOT_MOUNTED) from None
+    except OSError as exc:
+        raise CliError(f"cannot read {_stats_path(mountpoint)}: {exc.strerror}") from None
+
+
+# -- mount / umount ------------------------------------------------------------------------
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from .mount import MountError, MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
+
+    conf: dict[str, Any] = load(args.config) if args.config else {}
+    backing = args.backing or conf.get("backing")
+    mountpoint = args.mountpoint or conf.get("mountpoint")
+    if not backing or not mountpoint:
+        raise CliError("mount needs BACKING_DIR and MOUNTPOINT (or both in --config)", EXIT_USAGE)
+    capacity = args.capacity if args.capacity is not None else conf.get("capacity")
+    opts = MountOptions(
+        backing=os.path.abspath(backing),
+        mountpoint=os.path.abspath(mountpoint),
+        capacity=parse_size(capacity) if capacity is not None else None,
+        debug=args.debug or bool(conf.get("debug", False)),
+        io_threads=int(conf.get("io_threads", 32)),
+    )
+    log_file = args.log or conf.get("log")
+    if args.foreground:
+        return _mount_foreground(opts, log_file, args.ready_fd)
+    # Background: run the daemon as a child in its own session, and return once it is ready.
+    log_file = log_file or os.path.join(opts.backing, ".kvfs", "daemon.log")
+    if not os.path.isdir(opts.backing):
+        raise CliError(f"backing directory {opts.backing} does not exist")
+    if not os.path.isdir(opts.mountpoint):
+        raise CliError(f"mount point {opts.mountpoint} is not a directory")
+    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    rfd, wfd = os.pipe()
+    cmd = [sys.executable, "-m", "kvfs.cli", "mount", opts.backing, opts.mountpoint,
+           "--foreground", "--ready-fd", str(wfd), "--log", log_file]
+    if opts.capacity is not None:
+        cmd += ["--capacity", str(opts.capacity)]
+    if args.config:
+        cmd += ["--config", args.config]
+    if opts.debug:
+        cmd.append("--debug")
+    with open(os.devnull, "rb") as devnull, open(log_file, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf,
+                                pass_fds=(wfd,), start_new_session=True)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        msg = r.read()
+    if msg.startswith(b"ok"):
+        print(f"kvfs: mounted {opts.mountpoint} (backing {opts.backing}, pid {proc.pid}, "
+              f"log {log_file})")
+        return 0
+    code = proc.wait()
+    raise CliError(msg.decode(errors="replace").strip() or
+                   f"the daemon exited with status {code} before mounting; see {log_file}")
+
+
+def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
+    from .mount import MountError, run  # noqa: PLC0415
+
+    _setup_logging(log_file, opts.debug)
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+
+    try:
+        return run(opts, ready)
+    except MountError as exc:
+        log.error("%s", exc)
+        if ready_fd is not None:
+            os.write(ready_fd, f"{exc}\n".encode())
+            os.close(ready_fd)
+            return EXIT_FAIL
+        raise CliError(str(exc)) from None
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    pid = read_stats(mountpoint).get("pid")
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise CliError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
+    deadline = time.monotonic() + args.timeout
+    while pid and _alive(pid):
+        if time.monotonic() > deadline:
+            raise CliError(f"unmounted, but the daemon (pid {pid}) has not exited after "
+                           f"{args.timeout} s")
+        time.sleep(0.05)
+    print(f"kvfs: unmounted {mountpoint}")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+# -- status ----------------------------------------------------------------------------------
+
+
+def human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    stats = read_stats(os.path.abspath(args.mountpoint))
+    if args.json:
+        print(json.dumps(stats, indent=2, sort_keys=True))
+        return 0
+    cap = stats.get("capacity_bytes")
+    used = stats["used_bytes"]
+    print(f"kvfs {stats['version']}  mount {stats['mountpoint']}  backing {stats['backing']}  "
+          f"pid {stats['pid']}")
+    pct = f" ({100 * used / cap:.1f} %)" if cap else ""
+    print(f"used {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
+          f"{stats['files']} files, {stats['open_files']} open")
+    rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "READ", "WRITTEN")]
+    for tenant, spaces in sorted(stats["tenants"].items()):
+        for ns, c in sorted(spaces.items()):
+            rows.append((tenant, ns or "-", str(c["files"]), human(c["bytes"]),
+                         human(c["read_bytes"]), human(c["write_bytes"])))
+    for t in stats.get("tenant_dirs", []):
+        if t not in stats["tenants"]:
+            rows.append((t, "-", "0", human(0), human(0), human(0)))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return 0
+
+
+# -- tenants -----------------------------------------------------------------------------
+
+
+def cmd_tenant_add(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    read_stats(mountpoint)
+    path = os.path.join(mountpoint, args.name)
+    mode = int(args.mode, 8)
+    try:
+        os.mkdir(path, mode)
+        os.chown(path, args.uid, args.gid)
+        os.chmod(path, mode)
+    except FileExistsError:
+        raise CliError(f"tenant {args.name} already exists") from None
+    except OSError as exc:
+        raise CliError(f"cannot add tenant {args.name}: {exc.strerror}") from None
+    print(f"kvfs: tenant {args.name} (uid {args.uid}, gid {args.gid}, mode {args.mode}) "
+          f"at {path}")
+    return 0
+
+
+def cmd_tenant_list(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    read_stats(mountpoint)
+    for name in sorted(os.listdir(mountpoint)):
+        if name == ".kvfs":
+            continue
+        st = os.stat(os.path.join(mountpoint, name))
+        print(f"{name}\tuid={st.st_uid}\tgid={st.st_gid}\tmode={st.st_mode & 0o7777:o}")
+    return 0
+
+
+# -- fsck --------------------------------------------------------------------------------
+
+
+def cmd_fsck(args: argparse.Namespace) -> int:
+    from . import fsck  # noqa: PLC0415
+    from .mount import MountError, open_index, open_state_dir  # noqa: PLC0415
+
+    _setup_logging(None, args.debug)
+    try:
+        store, lock_fd = open_state_dir(os.path.abspath(args.backing))
+    except MountError as exc:
+        raise CliError(f"{exc}; unmount it first") from None
+    index = open_index(store)
+
+    def progress(n: int) -> None:
+        print(f"\rfsck: {n} entries", end="", file=sys.stderr, flush=True)
+
+    report = fsck.reconcile(index, store, verify=args.verify, progress=progress)
+    print("", file=sys.stderr)
+    index.set_meta("clean", "1")
+    index.close()
+    os.close(lock_fd)
+    for label, items in (("added", report.added), ("dropped", report.dropped),
+                         ("updated", report.updated), ("removed partial", report.removed_partial),
+                         ("removed temporary", report.removed_temp),
+                         ("quarantined", report.quarantined)):
+        for item in items[: args.show]:
+            print(f"{label}: {item}")
+        if len(items) > args.show:
+            print(f"{label}: ... and {len(items) - args.show} more")
+    print(f"fsck: {report.summary()}")
+    return 0
+
+
+# -- demo --------------------------------------------------------------------------------
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo  # noqa: PLC0415
+
+    return run_demo(args.dir)
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvfs", description="kvfs: a KV-cache filesystem")
+    p.add_argument("--version", action="version", version=f"kvfs {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    m = sub.add_parser("mount", help="mount kvfs over a backing directory")
+    m.add_argument("backing", nargs="?", help="backing directory (hot tier and index)")
+    m.add_argument("mountpoint", nargs="?")
+    m.add_argument("--capacity", help="byte budget of the hot tier, e.g. 500G")
+    m.add_argument("--foreground", "-f", action="store_true", help="stay attached")
+    m.add_argument("--config", help="TOML config file; the command line overrides it")
+    m.add_argument("--log", help="log file (default: BACKING/.kvfs/daemon.log in background)")
+    m.add_argument("--debug", action="store_true")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=60.0)
+    u.set_defaults(func=cmd_umount)
+
+    s = sub.add_parser("status", help="usage, tenants and counters of a mount")
+    s.add_argument("mountpoint")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_status)
+
+    t = sub.add_parser("tenant", help="manage tenants")
+    tsub = t.add_subparsers(dest="tenant_command", required=True)
+    ta = tsub.add_parser("add", help="create a tenant directory owned by UID:GID")
+    ta.add_argument("mountpoint")
+    ta.add_argument("name")
+    ta.add_argument("--uid", type=int, required=True)
+    ta.add_argument("--gid", type=int, required=True)
+    ta.add_argument("--mode", default="0700", help="octal mode (default 0700)")
+    ta.set_defaults(func=cmd_tenant_add)
+    tl = tsub.add_parser("list", help="list tenants")
+    tl.add_argument("mountpoint")
+    tl.set_defaults(func=cmd_tenant_list)
+
+    f = sub.add_parser("fsck", help="reconcile an unmounted backing directory's index")
+    f.add_argument("backing")
+    f.add_argument("--verify", action="store_true", help="verify every block's checksum")
+    f.add_argument("--show", type=int, default=20, help="changes to list per kind")
+    f.add_argument("--debug", action="store_true")
+    f.set_defaults(func=cmd_fsck)
+
+    d = sub.add_parser("demo", help="mount a demo kvfs with real KV blocks in it")
+    d.add_argument("dir", nargs="?", default="demo", help="where to put it (default ./demo)")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        print(f"kvfs: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except CliError as exc:
+        print(f"kvfs: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,839 @@
+"""The pyfuse3 Operations: translation between FUSE requests, the index and the backing store.
+
+Handlers are thin: check arguments, update the index (synchronously, on the event-loop
+thread), do blocking backing-store I/O through `trio.to_thread.run_sync` under a capacity
+limiter, map failures to errno. No exception escapes a handler: pyfuse3 would end the session
+for every client. Expected failures are `FUSEError(errno)`; anything else is logged with its
+traceback and becomes EIO.
+
+Only the mount entry point (`kvfs.mount`) imports this module.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+import re
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import pyfuse3
+import trio
+from pyfuse3 import FUSEError
+
+from . import __version__, blockfile, hashing
+from .index import ORPHAN_PARENT, ROOT_INODE, Index, NoSuchNode, Node
+from .stats import Key, Stats
+from .store import BackingStore
+
+log = logging.getLogger(__name__)
+
+NAME_MAX = 255
+#: Tenant names: what a user name or a DNS label may be; never starts with a dot.
+TENANT_RE = re.compile(rb"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
+#: How long the kernel may cache names and attributes. The daemon is the only writer of the
+#: namespace; changes it makes on its own (eviction) invalidate the kernel's entries.
+ENTRY_TIMEOUT = 10.0
+BLKSIZE = 128 * 1024  # st_blksize: the size of one FUSE read request
+
+# Virtual nodes, in the reserved inode range below index.FIRST_REAL_INODE.
+VDIR = 2
+VSTATS = 3
+VVERSION = 4
+VDIR_NAME = b".kvfs"
+VFILES = {b"stats.json": VSTATS, b"version": VVERSION}
+
+XATTR_PREFIX = b"user.kvfs."
+
+T = TypeVar("T")
+
+
+def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    """Map every failure of a handler to a FUSEError; never let one escape."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except FUSEError:
+            raise
+        except NoSuchNode:
+            raise FUSEError(errno.ENOENT) from None
+        except OSError as exc:
+            if exc.errno is None:
+                log.exception("%s failed", fn.__name__)
+                raise FUSEError(errno.EIO) from None
+            raise FUSEError(exc.errno) from None
+        except Exception:
+            log.exception("unexpected error in %s", fn.__name__)
+            raise FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+def _check_name(name: bytes) -> None:
+    if len(name) > NAME_MAX:
+        raise FUSEError(errno.ENAMETOOLONG)
+    if name in (b"", b".", b"..") or b"/" in name or b"\0" in name:
+        raise FUSEError(errno.EINVAL)
+
+
+@dataclass(slots=True)
+class OpenFile:
+    """State of an inode that has open handles."""
+
+    handles: int = 0
+    writers: int = 0
+    size: int = 0
+    mtime_ns: int = 0
+    dirty: bool = False
+
+
+@dataclass(slots=True)
+class Handle:
+    inode: int
+    fd: int = -1
+    writable: bool = False
+    key: Key = (0, 0)
+    content: bytes | None = None  # virtual files: a snapshot taken at open
+
+
+@dataclass
+class MountInfo:
+    """What the daemon knows about itself, for `.kvfs/stats.json`."""
+
+    mountpoint: str
+    backing: str
+    capacity: int | None
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = True
+    enable_writeback_cache = False
+    enable_acl = False
+
+    def __init__(
+        self,
+        index: Index,
+        store: BackingStore,
+        info: MountInfo,
+        *,
+        owner_uid: int = 0,
+        io_threads: int = 32,
+    ) -> None:
+        super().__init__()
+        self.index = index
+        self.store = store
+        self.info = info
+        self.owner_uid = owner_uid
+        self.limiter = trio.CapacityLimiter(io_threads)
+        self.stats = Stats()
+        self.stats.reset_usage(index.usage_by_namespace())
+        self.lookups: dict[int, int] = {}
+        self.open_files: dict[int, OpenFile] = {}
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+        self._dir_paths: dict[int, bytes] = {ROOT_INODE: b""}
+
+    # -- helpers --------------------------------------------------------------------------
+
+    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
+        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+
+    def _dir_path(self, inode: int) -> bytes:
+        path = self._dir_paths.get(inode)
+        if path is None:
+            node = self.index.get(inode)
+            if node.parent == ORPHAN_PARENT:
+                raise FUSEError(errno.ENOENT)
+            path = self._join(self._dir_path(node.parent), node.name)
+            self._dir_paths[inode] = path
+        return path
+
+    @staticmethod
+    def _join(dirpath: bytes, name: bytes) -> bytes:
+        return dirpath + b"/" + name if dirpath else name
+
+    def _path(self, node: Node) -> bytes:
+        if node.inode == ROOT_INODE:
+            return b""
+        if node.parent == ORPHAN_PARENT:
+            raise FUSEError(errno.ENOENT)
+        return self._join(self._dir_path(node.parent), node.name)
+
+    def _forget_dir_paths(self) -> None:
+        self._dir_paths = {ROOT_INODE: b""}
+
+    def _new_fh(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = h
+        return fh
+
+    def _ref(self, inode: int) -> None:
+        self.lookups[inode] = self.lookups.get(inode, 0) + 1
+
+    def _attrs(self, node: Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.inode
+        a.generation = 0
+        a.entry_timeout = ENTRY_TIMEOUT
+        a.attr_timeout = ENTRY_TIMEOUT
+        a.st_mode = node.mode
+        a.st_nlink = 1
+        a.st_uid = node.uid
+        a.st_gid = node.gid
+        a.st_rdev = 0
+        size, mtime = node.size, node.mtime_ns
+        of = self.open_files.get(node.inode)
+        if of is not None and of.dirty:
+            size, mtime = of.size, of.mtime_ns
+        a.st_size = size
+        a.st_blksize = BLKSIZE
+        a.st_blocks = 8 if node.is_dir else -(-size // 4096) * 8
+        a.st_atime_ns = node.atime_ns
+        a.st_mtime_ns = mtime
+        a.st_ctime_ns = node.ctime_ns
+        return a
+
+    def _virtual_attrs(self, inode: int) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = inode
+        a.entry_timeout = a.attr_timeout = 0
+        a.st_mode = (stat.S_IFDIR | 0o555) if inode == VDIR else (stat.S_IFREG | 0o444)
+        a.st_nlink = 1
+        a.st_blksize = 4096
+        t = int(self.info.started * 1e9)
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        return a
+
+    def _child_place(self, parent: Node, mode: int) -> tuple[int, int]:
+        """(tenant, ns) a new child of `parent` will have; 0s are filled in by the index."""
+        if parent.inode == ROOT_INODE:
+            return 0, 0
+        if parent.inode == parent.tenant:  # a child of a tenant directory
+            return parent.tenant, 0
+        return parent.tenant, parent.ns
+
+    def _check_parent(self, parent_inode: int, *, is_dir: bool, name: bytes, ctx: Any) -> Node:
+        if parent_inode in (VDIR, VSTATS, VVERSION):
+            raise FUSEError(errno.EPERM)
+        _check_name(name)
+        parent = self.index.get(parent_inode)
+        if not parent.is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        if parent.inode == ROOT_INODE:
+            # The top level holds tenant directories only, made by root or the mount's owner.
+            if not is_dir:
+                raise FUSEError(errno.EPERM)
+            if ctx.uid not in (0, self.owner_uid):
+                raise FUSEError(errno.EACCES)
+            if not TENANT_RE.match(name):
+                log.warning("refused tenant name %r: use letters, digits, _ . @ -", name)
+                raise FUSEError(errno.EINVAL)
+        return parent
+
+    def _owner_gid(self, parent: Node, ctx: Any) -> int:
+        return parent.gid if parent.mode & stat.S_ISGID else ctx.gid
+
+    def _key(self, node: Node) -> Key:
+        return (node.tenant, node.ns)
+
+    def _drop(self, node: Node) -> None:
+        """Remove a node from the namespace (after its backing entry is gone)."""
+        if node.is_reg:
+            of = self.open_files.get(node.inode)
+            size = of.size if of is not None and of.dirty else node.size
+            self.stats.account(self._key(node), -1, -size)
+        if node.is_dir:
+            self._dir_paths.pop(node.inode, None)
+            if node.inode == node.tenant:
+                self.stats.drop_tenant(node.inode)
+        if self.lookups.get(node.inode) or node.inode in self.open_files:
+            self.index.orphan(node.inode)
+        else:
+            self.index.delete(node.inode)
+
+    def _size_of(self, node: Node) -> int:
+        of = self.open_files.get(node.inode)
+        return of.size if of is not None and of.dirty else node.size
+
+    def _check_capacity(self, growth: int) -> None:
+        cap = self.info.capacity
+        if cap is not None and growth > 0 and self.stats.used_bytes + growth > cap:
+            raise FUSEError(errno.ENOSPC)
+
+    # -- lookups and attributes -----------------------------------------------------------
+
+    @handler
+    async def lookup(self, parent_inode: int, name: bytes, ctx: Any) -> pyfuse3.EntryAttributes:
+        if parent_inode == ROOT_INODE and name == VDIR_NAME:
+            return self._virtual_attrs(VDIR)
+        if parent_inode == VDIR:
+            if name in VFILES:
+                return self._virtual_attrs(VFILES[name])
+            if name == b"..":
+                return await self.getattr(ROOT_INODE, ctx)
+            raise FUSEError(errno.ENOENT)
+        if len(name) > NAME_MAX:
+            raise FUSEError(errno.ENAMETOOLONG)
+        if name == b".":
+            node = self.index.get(parent_inode)
+        elif name == b"..":
+            node = self.index.get(self.index.get(parent_inode).parent)
+        else:
+            found = self.index.lookup(parent_inode, name)
+            if found is None:
+                raise FUSEError(errno.ENOENT)
+            node = found
+        self._ref(node.inode)
+        return self._attrs(node)
+
+    @handler
+    async def forget(self, inode_list: list[tuple[int, int]]) -> None:
+        for inode, nlookup in inode_list:
+            left = self.lookups.get(inode, 0) - nlookup
+            if left > 0:
+                self.lookups[inode] = left
+                continue
+            self.lookups.pop(inode, None)
+            if inode not in self.open_files:
+                node = self.index.find(inode)
+                if node is not None and node.parent == ORPHAN_PARENT:
+                    self.index.delete(inode)
+
+    @handler
+    async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
+        if inode in (VDIR, VSTATS, VVERSION):
+            return self._virtual_attrs(inode)
+        return self._attrs(self.index.get(inode))
+
+    @handler
+    async def setattr(
+        self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+        fh: int | None, ctx: Any,
+    ) -> pyfuse3.EntryAttributes:
+        if inode < 1000 and inode != ROOT_INODE:
+            raise FUSEError(errno.EPERM)
+        node = self.index.get(inode)
+        path = self._path(node)
+        changes: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {}
+        now = time.time_ns()
+        if fields.update_size:
+            if not node.is_reg:
+                raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
+            if attr.st_size < 0:
+                raise FUSEError(errno.EINVAL)
+            self._check_capacity(attr.st_size - self._size_of(node))
+            kwargs["size"] = attr.st_size
+            h = self.handles.get(fh) if fh is not None else None
+            if h is not None and h.fd >= 0 and h.writable:
+                kwargs["fd"] = h.fd
+        if fields.update_mode:
+            changes["mode"] = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
+            kwargs["mode"] = stat.S_IMODE(attr.st_mode)
+        if fields.update_uid:
+            changes["uid"] = kwargs["uid"] = attr.st_uid
+        if fields.update_gid:
+            changes["gid"] = kwargs["gid"] = attr.st_gid
+        if fields.update_atime or fields.update_mtime:
+            atime = attr.st_atime_ns if fields.update_atime else node.atime_ns
+            mtime = attr.st_mtime_ns if fields.update_mtime else node.mtime_ns
+            changes["atime_ns"], changes["mtime_ns"] = atime, mtime
+            kwargs["times_ns"] = (atime, mtime)
+        await self._io(functools.partial(
+            self.store.setattr, path, is_link=stat.S_ISLNK(node.mode), **kwargs))
+        if "size" in kwargs:
+            new_size = kwargs["size"]
+            node = self.index.get(inode)  # re-read: the world may have moved during the await
+            old_size = self._size_of(node)
+            self.stats.account(self._key(node), 0, new_size - old_size)
+            of = self.open_files.get(inode)
+            if of is not None and of.dirty:
+                of.size, of.mtime_ns = new_size, now
+            changes.update(size=new_size, block_hash=None, parent_hash=None)
+            changes.setdefault("mtime_ns", now)
+        changes["ctime_ns"] = now
+        self.index.update(inode, **changes)
+        return self._attrs(self.index.get(inode))
+
+    @handler
+    async def readlink(self, inode: int, ctx: Any) -> bytes:
+        node = self.index.get(inode)
+        if node.target is None:
+            raise FUSEError(errno.EINVAL)
+        return node.target
+
+    # -- directories ----------------------------------------------------------------------
+
+    @handler
+    async def opendir(self, inode: int, ctx: Any) -> int:
+        if inode != VDIR and not self.index.get(inode).is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        return inode
+
+    @handler
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        if fh == VDIR:
+            for i, (name, inode) in enumerate(VFILES.items(), start=1):
+                if i > start_id and not pyfuse3.readdir_reply(
+                        token, name, self._virtual_attrs(inode), i):
+                    return
+            return
+        if fh == ROOT_INODE and start_id < VDIR:
+            if not pyfuse3.readdir_reply(token, VDIR_NAME, self._virtual_attrs(VDIR), VDIR):
+                return
+            start_id = VDIR
+        while True:
+            batch = self.index.children(fh, after=start_id, limit=512)
+            if not batch:
+                return
+            for node in batch:
+                if not pyfuse3.readdir_reply(token, node.name, self._attrs(node), node.inode):
+                    return
+                self._ref(node.inode)
+            start_id = batch[-1].inode
+
+    @handler
+    async def releasedir(self, fh: int) -> None:
+        pass
+
+    @handler
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        pass
+
+    @handler
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any
+                    ) -> pyfuse3.EntryAttributes:
+        parent = self._check_parent(parent_inode, is_dir=True, name=name, ctx=ctx)
+        if self.index.lookup(parent.inode, name) is not None:
+            raise FUSEError(errno.EEXIST)
+        mode = stat.S_IMODE(mode) & ~ctx.umask
+        if parent.mode & stat.S_ISGID:
+            mode |= stat.S_ISGID
+        gid = self._owner_gid(parent, ctx)
+        path = self._join(self._path(parent), name)
+        await self._io(self.store.mkdir, path, mode, ctx.uid, gid)
+        tenant, ns = self._child_place(parent, stat.S_IFDIR)
+        node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFDIR | mode,
+                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns)
+        self._ref(node.inode)
+        return self._attrs(node)
+
+    @handler
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        if parent_inode == ROOT_INODE and name == VDIR_NAME or parent_inode == VDIR:
+            raise FUSEError(errno.EPERM)
+        node = self.index.lookup(parent_inode, name)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        if not node.is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        if self.index.has_children(node.inode):
+            raise FUSEError(errno.ENOTEMPTY)
+        await self._io(self.store.rmdir, self._path(node))
+        self._drop(node)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _open_state(self, node: Node) -> OpenFile:
+        of = self.open_files.get(node.inode)
+        if of is None:
+            of = self.open_files[node.inode] = OpenFile(size=node.size, mtime_ns=node.mtime_ns)
+        return of
+
+    def _register(self, node: Node, fd: int, writable: bool) -> int:
+        of = self._open_state(node)
+        of.handles += 1
+        if writable:
+            of.writers += 1
+            if of.writers == 1:
+                of.dirty = True
+                of.size = node.size
+                # Being written: not a block any more until its last writer closes it.
+                self.index.update(node.inode, writing=1, block_hash=None, parent_hash=None)
+        return self._new_fh(Handle(node.inode, fd, writable, self._key(node)))
+
+    @staticmethod
+    def _backing_flags(flags: int) -> int:
+        """Open flags for the backing file. O_DIRECT is not passed on: the daemon's buffers
+        are not aligned, and the mount honours it with direct_io instead."""
+        keep = os.O_ACCMODE | os.O_SYNC | os.O_DSYNC | os.O_NOFOLLOW
+        return flags & keep
+
+    @handler
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+                     ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
+        if self.index.lookup(parent.inode, name) is not None:
+            raise FUSEError(errno.EEXIST)
+        mode = stat.S_IMODE(mode) & ~ctx.umask
+        gid = self._owner_gid(parent, ctx)
+        path = self._join(self._path(parent), name)
+        accmode = flags & os.O_ACCMODE
+        bflags = self._backing_flags(flags)
+        # Always open the backing file read-write: the kernel may read a write-only file to
+        # fill pages.
+        if accmode != os.O_RDONLY:
+            bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
+        fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid)
+        tenant, ns = self._child_place(parent, stat.S_IFREG)
+        writable = accmode != os.O_RDONLY
+        node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
+                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
+                                 writing=int(writable))
+        self.stats.account(self._key(node), 1, 0)
+        fh = self._register(node, fd, writable)
+        self._ref(node.inode)
+        fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
+        return fi, self._attrs(node)
+
+    @handler
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
+                    ) -> pyfuse3.EntryAttributes:
+        if not stat.S_ISREG(mode):
+            # Device nodes, FIFOs and sockets have no place in a cache.
+            raise FUSEError(errno.EPERM)
+        fi, attrs = await self.create(parent_inode, name, mode, os.O_RDONLY, ctx)
+        await self.release(fi.fh)
+        return attrs
+
+    @handler
+    async def open(self, inode: int, flags: int, ctx: Any) -> pyfuse3.FileInfo:
+        if inode in (VSTATS, VVERSION):
+            if flags & os.O_ACCMODE != os.O_RDONLY:
+                raise FUSEError(errno.EACCES)
+            content = self._stats_json() if inode == VSTATS else f"{__version__}\n".encode()
+            return pyfuse3.FileInfo(fh=self._new_fh(Handle(inode, content=content)),
+                                    direct_io=True, keep_cache=False)
+        node = self.index.get(inode)
+        if not node.is_reg:
+            raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        accmode = flags & os.O_ACCMODE
+        writable = accmode != os.O_RDONLY
+        bflags = self._backing_flags(flags)
+        if writable:
+            bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
+        truncate = writable and bool(flags & os.O_TRUNC)
+        fd = await self._io(self.store.open, self._path(node), bflags)
+        node = self.index.get(inode)
+        if truncate:
+            try:
+                await self._io(os.ftruncate, fd, 0)
+            except BaseException:
+                os.close(fd)
+                raise
+        fh = self._register(node, fd, writable)
+        now = time.time_ns()
+        if truncate:
+            of = self.open_files[inode]
+            self.stats.account(self._key(node), 0, -of.size)
+            of.size, of.mtime_ns = 0, now
+        self.index.update(inode, atime_ns=now)
+        busy = writable or self.open_files[inode].writers > 0
+        return pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=not busy)
+
+    @handler
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self.handles[fh]
+        if h.content is not None:
+            return h.content[off:off + size]
+        data = await self._io(os.pread, h.fd, size, off)
+        self.stats.read(h.key, len(data))
+        return data
+
+    @handler
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.handles[fh]
+        if not h.writable:
+            raise FUSEError(errno.EBADF)
+        of = self.open_files[h.inode]
+        growth = off + len(buf) - of.size
+        self._check_capacity(growth)
+        n = await self._io(os.pwrite, h.fd, buf, off)
+        end = off + n
+        if end > of.size:
+            self.stats.account(h.key, 0, end - of.size)
+            of.size = end
+        of.mtime_ns = time.time_ns()
+        self.stats.write(h.key, n)
+        return n
+
+    def _persist(self, inode: int) -> None:
+        of = self.open_files.get(inode)
+        if of is not None and of.dirty:
+            self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
+
+    @handler
+    async def flush(self, fh: int) -> None:
+        h = self.handles[fh]
+        if h.writable:
+            self._persist(h.inode)
+
+    @handler
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        h = self.handles[fh]
+        if h.fd >= 0:
+            await self._io(os.fdatasync if datasync else os.fsync, h.fd)
+        if h.writable:
+            self._persist(h.inode)
+
+    @handler
+    async def release(self, fh: int) -> None:
+        h = self.handles.pop(fh)
+        if h.content is not None:
+            return
+        try:
+            await self._io(os.close, h.fd)
+        finally:
+            of = self.open_files[h.inode]
+            of.handles -= 1
+            if h.writable:
+                of.writers -= 1
+                if of.writers == 0:
+                    self._persist(h.inode)
+                    self.index.update(h.inode, writing=0)
+                    of.dirty = False
+            if of.handles == 0:
+                del self.open_files[h.inode]
+        if h.writable and of.writers == 0:
+            await self._complete(h.inode)
+        node = self.index.find(h.inode)
+        if (node is not None and node.parent == ORPHAN_PARENT and h.inode not in self.open_files
+                and not self.lookups.get(h.inode)):
+            self.index.delete(h.inode)
+
+    async def _complete(self, inode: int) -> None:
+        """The last writer closed a file: if it is a kvfs-native block, verify its header and
+        publish it as a block. Anything else stays an ordinary file."""
+        node = self.index.find(inode)
+        if node is None or node.parent == ORPHAN_PARENT:
+            return
+        block_hash = hashing.parse_block_filename(node.name.decode(errors="replace"))
+        if block_hash is None:
+            return
+        head, size = await self._io(self.store.read_head, self._path(node), blockfile.HEADER_SIZE)
+        try:
+            hdr = blockfile.decode_header(head)
+            blockfile.verify_file_size(hdr, size)
+            if hdr.block_hash != block_hash:
+                raise blockfile.BlockFormatError(
+                    "mismatch", f"header names block {hdr.block_hash.hex()}")
+        except blockfile.BlockFormatError as exc:
+            log.warning("%s is named as a block but is not one (%s): kept as a plain file",
+                        self._path(node).decode(errors="replace"), exc)
+            return
+        node = self.index.find(inode)
+        if node is not None and inode not in self.open_files:
+            self.index.update(inode, block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
+
+    # -- names ----------------------------------------------------------------------------
+
+    @handler
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
+        if parent_inode in (VDIR, VSTATS, VVERSION):
+            raise FUSEError(errno.EPERM)
+        node = self.index.lookup(parent_inode, name)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        if node.is_dir:
+            raise FUSEError(errno.EISDIR)
+        await self._io(self.store.unlink, self._path(node))
+        node = self.index.find(node.inode)
+        if node is not None and node.parent != ORPHAN_PARENT:
+            self._drop(node)
+
+    @handler
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any
+                      ) -> pyfuse3.EntryAttributes:
+        parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
+        if self.index.lookup(parent.inode, name) is not None:
+            raise FUSEError(errno.EEXIST)
+        gid = self._owner_gid(parent, ctx)
+        path = self._join(self._path(parent), name)
+        await self._io(self.store.symlink, target, path, ctx.uid, gid)
+        tenant, ns = self._child_place(parent, stat.S_IFLNK)
+        node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFLNK | 0o777,
+                                 uid=ctx.uid, gid=gid, size=len(target), target=target,
+                                 tenant=tenant, ns=ns)
+        self._ref(node.inode)
+        return self._attrs(node)
+
+    @handler
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Any
+                   ) -> pyfuse3.EntryAttributes:
+        # Hard links would give one file two tenants or two namespaces' accounting.
+        raise FUSEError(errno.EPERM)
+
+    @handler
+    async def rename(self, parent_old: int, name_old: bytes, parent_new: int, name_new: bytes,
+                     flags: int, ctx: Any) -> None:
+        if VDIR in (parent_old, parent_new) or (
+                ROOT_INODE in (parent_old, parent_new) and VDIR_NAME in (name_old, name_new)):
+            raise FUSEError(errno.EPERM)
+        _check_name(name_new)
+        node = self.index.lookup(parent_old, name_old)
+        if node is None:
+            raise FUSEError(errno.ENOENT)
+        new_parent = self.index.get(parent_new)
+        if not new_parent.is_dir:
+            raise FUSEError(errno.ENOTDIR)
+        target = self.index.lookup(parent_new, name_new)
+        at_top = (parent_old == ROOT_INODE, parent_new == ROOT_INODE)
+        if at_top == (True, True):
+            if not TENANT_RE.match(name_new):
+                raise FUSEError(errno.EINVAL)
+        elif any(at_top):
+            raise FUSEError(errno.EPERM)  # files and namespaces live below a tenant
+        elif node.tenant != new_parent.tenant:
+            raise FUSEError(errno.EXDEV)  # tenants share nothing; mv copies instead
+        if flags & pyfuse3.RENAME_EXCHANGE and target is None:
+            raise FUSEError(errno.ENOENT)
+        if flags & pyfuse3.RENAME_NOREPLACE and target is not None:
+            raise FUSEError(errno.EEXIST)
+        old_path = self._path(node)
+        new_path = self._join(self._path(new_parent), name_new)
+        await self._io(self.store.rename, old_path, new_path, flags)
+        # Re-read everything: other requests may have run during the await.
+        node = self.index.get(node.inode)
+        new_parent = self.index.get(parent_new)
+        target = self.index.lookup(parent_new, name_new)
+        with self.index.transaction():
+            if flags & pyfuse3.RENAME_EXCHANGE and target is not None:
+                old_parent = self.index.get(parent_old)
+                self.index.move(target.inode, ORPHAN_PARENT, b"#x%d" % target.inode)
+                self.index.move(node.inode, parent_new, name_new)
+                self.index.move(target.inode, parent_old, name_old)
+                self._replace_place(target, old_parent)
+            else:
+                if target is not None and target.inode != node.inode:
+                    self._drop(target)
+                self.index.move(node.inode, parent_new, name_new)
+            self._replace_place(node, new_parent)
+        if node.is_dir or (target is not None and target.is_dir):
+            self._forget_dir_paths()
+
+    def _replace_place(self, node: Node, new_parent: Node) -> None:
+        """After a move: give a subtree the tenant and namespace of its new place."""
+        if new_parent.inode == ROOT_INODE:
+            return  # a renamed tenant keeps its inode, hence its place
+        tenant, ns = self._child_place(new_parent, node.mode)
+        if node.is_dir and ns == 0:
+            ns = node.inode  # a directory directly in a tenant is a namespace
+        if (tenant, ns) == (node.tenant, node.ns):
+            return
+        self.index.reassign_subtree(node.inode, tenant, ns)
+        self.stats.reset_usage(self.index.usage_by_namespace())
+
+    # -- extended attributes --------------------------------------------------------------
+
+    def _kvfs_xattrs(self, node: Node) -> dict[bytes, bytes]:
+        out = {b"user.kvfs.tier": b"hot"}
+        if node.inode != ROOT_INODE:
+            out[b"user.kvfs.backing"] = self.store.path(self._path(node))
+        if node.block_hash is not None:
+            out[b"user.kvfs.block_hash"] = node.block_hash.hex().encode()
+            out[b"user.kvfs.parent_hash"] = (node.parent_hash or b"").hex().encode()
+        return out
+
+    @handler
+    async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        if inode < 1000 and inode != ROOT_INODE or not name.startswith(b"user."):
+            raise FUSEError(pyfuse3.ENOATTR)
+        node = self.index.get(inode)
+        if name.startswith(XATTR_PREFIX):
+            value = self._kvfs_xattrs(node).get(name)
+            if value is None:
+                raise FUSEError(pyfuse3.ENOATTR)
+            return value
+        return await self._io(self.store.getxattr, self._path(node), name)
+
+    @handler
+    async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        if inode < 1000 and inode != ROOT_INODE:
+            return []
+        node = self.index.get(inode)
+        names = list(self._kvfs_xattrs(node))
+        if node.inode != ROOT_INODE:
+            names += await self._io(self.store.listxattr, self._path(node))
+        return names
+
+    @handler
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
+        if inode < 1000 or not name.startswith(b"user."):
+            raise FUSEError(errno.ENOTSUP if inode >= 1000 else errno.EPERM)
+        if name.startswith(XATTR_PREFIX):
+            raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
+        node = self.index.get(inode)
+        await self._io(self.store.setxattr, self._path(node), name, value)
+
+    @handler
+    async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
+        if inode < 1000 or not name.startswith(b"user."):
+            raise FUSEError(errno.ENOTSUP if inode >= 1000 else errno.EPERM)
+        if name.startswith(XATTR_PREFIX):
+            raise FUSEError(errno.EPERM)
+        node = self.index.get(inode)
+        await self._io(self.store.removexattr, self._path(node), name)
+
+    # -- the filesystem as a whole --------------------------------------------------------
+
+    @handler
+    async def statfs(self, ctx: Any) -> pyfuse3.StatvfsData:
+        st = await self._io(self.store.statvfs)
+        out = pyfuse3.StatvfsData()
+        bs = 4096
+        out.f_bsize = out.f_frsize = bs
+        avail = st.f_bavail * st.f_frsize
+        cap = self.info.capacity
+        if cap is not None:
+            out.f_blocks = cap // bs
+            avail = min(avail, max(cap - self.stats.used_bytes, 0))
+        else:
+            out.f_blocks = st.f_blocks * st.f_frsize // bs
+        out.f_bfree = out.f_bavail = avail // bs
+        out.f_files = st.f_files
+        out.f_ffree = out.f_favail = st.f_favail
+        out.f_namemax = NAME_MAX
+        return out
+
+    @handler
+    async def access(self, inode: int, mode: int, ctx: Any) -> bool:
+        return True  # default_permissions: the kernel checks modes itself
+
+    def names_of(self, inodes: set[int]) -> dict[int, str]:
+        out = {}
+        for inode in inodes:
+            node = self.index.find(inode)
+            if node is not None:
+                out[inode] = node.name.decode(errors="replace")
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """Everything `.kvfs/stats.json` shows."""
+        keys = set(self.stats.by_ns)
+        names = self.names_of({t for t, _ in keys} | {n for _, n in keys if n})
+        return {
+            "version": __version__,
+            "pid": self.info.pid,
+            "mountpoint": self.info.mountpoint,
+            "backing": self.info.backing,
+            "uptime_s": round(time.time() - self.info.started, 3),
+            "capacity_bytes": self.info.capacity,
+            "used_bytes": self.stats.used_bytes,
+            "files": self.stats.total_files,
+            "open_files": len(self.open_files),
+            "tenants": self.stats.render(names),
+        }
+
+    def _stats_json(self) -> bytes:
+        return json.dumps(self.snapshot(), indent=2, sort_keys=True).encode() + b"\n"

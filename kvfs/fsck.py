@@ -1,0 +1,231 @@
+"""Reconcile the index with the backing tree, which is the truth.
+
+Run by `kvfs fsck BACKING_DIR` on an unmounted backing directory, and by the mount itself
+(the quick form) after an unclean stop. It:
+
+- drops orphans (nodes the kernel still held when the daemon died);
+- removes files that were open for writing when the daemon died (half-written, never complete)
+  and temporaries of the direct path;
+- adds what the backing tree has and the index lacks, drops what the index has and the tree
+  lacks, and refreshes sizes and types that changed behind the daemon's back;
+- checks the header and size of every kvfs-native block it (re)indexes, and with ``verify``
+  the payload checksum of every block; what fails is moved to ``.kvfs/quarantine`` and is
+  never served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from . import blockfile, hashing
+from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, ensure_root
+from .store import STATE_DIR, TEMP_PREFIX, BackingStore
+
+log = logging.getLogger(__name__)
+
+QUARANTINE = b"quarantine"
+
+
+@dataclass
+class FsckReport:
+    orphans: int = 0
+    added: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    updated: list[str] = field(default_factory=list)
+    removed_partial: list[str] = field(default_factory=list)
+    removed_temp: list[str] = field(default_factory=list)
+    quarantined: list[str] = field(default_factory=list)
+    blocks_verified: int = 0
+    entries: int = 0
+    seconds: float = 0.0
+
+    @property
+    def changes(self) -> int:
+        return (self.orphans + len(self.added) + len(self.dropped) + len(self.updated)
+                + len(self.removed_partial) + len(self.removed_temp) + len(self.quarantined))
+
+    def summary(self) -> str:
+        return (
+            f"{self.entries} entries checked in {self.seconds:.1f} s: "
+            f"{len(self.added)} added, {len(self.dropped)} dropped, {len(self.updated)} updated, "
+            f"{len(self.removed_partial)} partial files removed, "
+            f"{len(self.removed_temp)} temporaries removed, "
+            f"{len(self.quarantined)} quarantined, {self.orphans} orphans purged, "
+            f"{self.blocks_verified} block checksums verified"
+        )
+
+
+Progress = Callable[[int], None]
+
+
+class Reconciler:
+    def __init__(self, index: Index, store: BackingStore, *, verify: bool,
+                 progress: Progress | None) -> None:
+        self.index = index
+        self.store = store
+        self.verify = verify
+        self.progress = progress
+        self.report = FsckReport()
+
+    @staticmethod
+    def _show(rel: bytes) -> str:
+        return rel.decode(errors="replace")
+
+    def quarantine(self, rel: bytes, reason: str) -> None:
+        qdir = os.path.join(self.store.state_dir, QUARANTINE)
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        dest = os.path.join(qdir, rel.replace(b"/", b"%") + b".%d" % time.time_ns())
+        os.rename(self.store.path(rel), dest)
+        log.warning("quarantined %s: %s", self._show(rel), reason)
+        self.report.quarantined.append(self._show(rel))
+
+    def check_block(self, rel: bytes, name: bytes) -> tuple[bytes, bytes] | None | bool:
+        """(hash, parent) for a good kvfs-native block; None for a file that is not named as
+        one; False for a bad block (quarantined)."""
+        block_hash = hashing.parse_block_filename(name.decode(errors="replace"))
+        if block_hash is None:
+            return None
+        try:
+            if self.verify:
+                with open(self.store.path(rel), "rb") as f:
+                    data = f.read()
+                hdr, _ = blockfile.decode(data)
+                self.report.blocks_verified += 1
+            else:
+                head, size = self.store.read_head(rel, blockfile.HEADER_SIZE)
+                hdr = blockfile.decode_header(head)
+                blockfile.verify_file_size(hdr, size)
+            if hdr.block_hash != block_hash:
+                raise ValueError(f"header names block {hdr.block_hash.hex()}")
+        except (blockfile.BlockFormatError, ValueError) as exc:
+            self.quarantine(rel, str(exc))
+            return False
+        return hdr.block_hash, hdr.parent_hash
+
+    def drop_subtree(self, node: Node, rel: bytes) -> None:
+        if node.is_dir:
+            for name, inode in self.index.child_names(node.inode).items():
+                child = self.index.find(inode)
+                if child is not None:
+                    self.drop_subtree(child, rel + b"/" + name)
+        self.index.delete(node.inode)
+        self.report.dropped.append(self._show(rel))
+
+    def add(self, parent: Node, name: bytes, rel: bytes, st: os.stat_result) -> Node | None:
+        target = None
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(self.store.path(rel))
+        elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            log.warning("ignoring %s: not a file, directory or symlink", self._show(rel))
+            return None
+        block = self.check_block(rel, name) if stat.S_ISREG(st.st_mode) else None
+        if block is False:
+            return None
+        tenant = parent.tenant if parent.inode != ROOT_INODE else 0
+        ns = parent.ns if parent.inode != parent.tenant else 0
+        node = self.index.insert(
+            parent=parent.inode, name=name, mode=st.st_mode, uid=st.st_uid, gid=st.st_gid,
+            size=len(target) if target is not None else (st.st_size if stat.S_ISREG(st.st_mode)
+                                                         else 0),
+            target=target, tenant=tenant, ns=ns, atime_ns=st.st_mtime_ns,
+            mtime_ns=st.st_mtime_ns)
+        if block:
+            self.index.update(node.inode, block_hash=block[0], parent_hash=block[1])
+        self.report.added.append(self._show(rel))
+        return node
+
+    def walk(self) -> None:
+        root = ensure_root(self.index, os.lstat(self.store.root))
+        stack: list[tuple[Node, bytes]] = [(root, b"")]
+        while stack:
+            dnode, drel = stack.pop()
+            known = self.index.child_names(dnode.inode)
+            with os.scandir(self.store.path(drel)) as it:
+                entries = list(it)
+            for entry in entries:
+                name = os.fsencode(entry.name)
+                if dnode.inode == ROOT_INODE and name == STATE_DIR:
+                    continue
+                rel = drel + b"/" + name if drel else name
+                self.report.entries += 1
+                if self.progress is not None and self.report.entries % 10000 == 0:
+                    self.progress(self.report.entries)
+                if name.startswith(TEMP_PREFIX):
+                    os.unlink(entry.path)
+                    self.report.removed_temp.append(self._show(rel))
+                    continue
+                st = entry.stat(follow_symlinks=False)
+                inode = known.pop(name, None)
+                node = self.index.find(inode) if inode is not None else None
+                if node is not None and stat.S_IFMT(node.mode) != stat.S_IFMT(st.st_mode):
+                    self.drop_subtree(node, rel)
+                    node = None
+                if node is None:
+                    if dnode.inode == ROOT_INODE and not stat.S_ISDIR(st.st_mode):
+                        log.warning("ignoring %s: only tenant directories live at the top",
+                                    self._show(rel))
+                        continue
+                    node = self.add(dnode, name, rel, st)
+                    if node is None:
+                        continue
+                elif node.is_reg and (node.size != st.st_size or self.verify):
+                    self.refresh(node, rel, st)
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append((node, rel))
+            for name, inode in known.items():
+                node = self.index.find(inode)
+                if node is not None:
+                    self.drop_subtree(node, drel + b"/" + name if drel else name)
+
+    def refresh(self, node: Node, rel: bytes, st: os.stat_result) -> None:
+        block = self.check_block(rel, node.name)
+        if block is False:
+            self.index.delete(node.inode)
+            return
+        changed = node.size != st.st_size
+        self.index.update(node.inode, size=st.st_size, mtime_ns=st.st_mtime_ns,
+                          block_hash=block[0] if block else None,
+                          parent_hash=block[1] if block else None)
+        if changed:
+            self.report.updated.append(self._show(rel))
+
+    def remove_partial(self) -> None:
+        for node in self.index.writing_nodes():
+            rel = self.path_of(node)
+            if rel is not None:
+                try:
+                    os.unlink(self.store.path(rel))
+                except FileNotFoundError:
+                    pass
+                self.report.removed_partial.append(self._show(rel))
+            self.index.delete(node.inode)
+
+    def path_of(self, node: Node) -> bytes | None:
+        parts = []
+        while node.inode != ROOT_INODE:
+            if node.parent == ORPHAN_PARENT:
+                return None
+            parts.append(node.name)
+            parent = self.index.find(node.parent)
+            if parent is None:
+                return None
+            node = parent
+        return b"/".join(reversed(parts))
+
+
+def reconcile(index: Index, store: BackingStore, *, verify: bool = False,
+              progress: Progress | None = None) -> FsckReport:
+    """Bring the index in line with the backing tree; return what changed."""
+    start = time.monotonic()
+    r = Reconciler(index, store, verify=verify, progress=progress)
+    with index.transaction():
+        r.report.orphans = index.purge_orphans()
+        r.remove_partial()
+        r.walk()
+    r.report.seconds = time.monotonic() - start
+    return r.report

@@ -1,0 +1,336 @@
+"""The metadata index: one SQLite database (WAL) beside the hot tier's files.
+
+The index holds what POSIX and the policies need: inodes, names, attributes, sizes, access
+times, tenant and model namespace, block hashes. It is an accelerator, not the truth: the
+backing tree is the truth, and `kvfs.fsck` rebuilds the index from it.
+
+All methods are synchronous and fast (indexed point queries). They are called from the
+daemon's event-loop thread only: a run of statements between two awaits is atomic for the
+other trio tasks. The connection runs in autocommit mode; multi-statement changes use
+`transaction()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sqlite3
+import stat
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+ROOT_INODE = 1
+#: Inodes below this are reserved for virtual nodes (``.kvfs/`` and its files).
+FIRST_REAL_INODE = 1000
+#: The parent of nodes that have no name any more but are still known to the kernel.
+ORPHAN_PARENT = 0
+
+
+class NoSuchNode(LookupError):
+    """The index has no node with that inode or name."""
+
+
+def create_tables(db: sqlite3.Connection) -> None:
+    """Create the schema. Every column is explained beside it."""
+    db.executescript(
+        f"""
+        CREATE TABLE IF NOT EXISTS nodes (
+            -- Never reused (AUTOINCREMENT). 1 is the root; 2..{FIRST_REAL_INODE - 1} are
+            -- reserved for virtual nodes and never stored here.
+            inode     INTEGER PRIMARY KEY AUTOINCREMENT,
+            -- Inode of the containing directory. The root is its own parent.
+            -- {ORPHAN_PARENT} (ORPHAN_PARENT): unlinked while the kernel still holds a
+            -- lookup reference; purged in forget() or at the next mount.
+            parent    INTEGER NOT NULL,
+            -- Entry name as bytes (<= 255). Orphans get a unique placeholder name.
+            name      BLOB NOT NULL,
+            -- st_mode including the file type bits (S_IFREG, S_IFDIR, S_IFLNK).
+            mode      INTEGER NOT NULL,
+            uid       INTEGER NOT NULL,
+            gid       INTEGER NOT NULL,
+            -- Apparent size in bytes. Directories: 0. Symlinks: length of the target. While a
+            -- file is open for writing, the daemon's in-memory size is newer than this one.
+            size      INTEGER NOT NULL DEFAULT 0,
+            -- Timestamps in ns. atime is the daemon's own access time (it drives LRU), not
+            -- the backing filesystem's relatime.
+            atime_ns  INTEGER NOT NULL,
+            mtime_ns  INTEGER NOT NULL,
+            ctime_ns  INTEGER NOT NULL,
+            -- Symlink target; NULL for everything else.
+            target    BLOB,
+            -- Inode of the tenant directory (depth 1) above this node; the tenant directory
+            -- itself carries its own inode; 0 for the root.
+            tenant    INTEGER NOT NULL DEFAULT 0,
+            -- Inode of the model-namespace directory (depth 2) above this node, itself for
+            -- that directory; 0 above depth 2.
+            ns        INTEGER NOT NULL DEFAULT 0,
+            -- 1 while some process has the file open for writing. Persisted, so that after a
+            -- crash a half-written file is recognised and removed, never served.
+            writing   INTEGER NOT NULL DEFAULT 0,
+            -- kvfs-native blocks only: the 16-byte block hash and its parent's, set once the
+            -- file is complete and its header verified. NULL for every other file: such a
+            -- file is never served as a block.
+            block_hash  BLOB,
+            parent_hash BLOB,
+            UNIQUE (parent, name)
+        );
+        -- Directory listing in inode order: readdir offsets are inodes, so they stay stable
+        -- while entries are added and removed.
+        CREATE INDEX IF NOT EXISTS nodes_by_parent ON nodes (parent, inode);
+        CREATE TABLE IF NOT EXISTS meta (
+            key   TEXT PRIMARY KEY,
+            value TEXT NOT NULL
+        );
+        """
+    )
+
+
+@dataclass(slots=True)
+class Node:
+    """One row of `nodes`."""
+
+    inode: int
+    parent: int
+    name: bytes
+    mode: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    target: bytes | None
+    tenant: int
+    ns: int
+    writing: int
+    block_hash: bytes | None
+    parent_hash: bytes | None
+
+    @property
+    def is_dir(self) -> bool:
+        return stat.S_ISDIR(self.mode)
+
+    @property
+    def is_reg(self) -> bool:
+        return stat.S_ISREG(self.mode)
+
+
+_COLUMNS = (
+    "inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, "
+    "tenant, ns, writing, block_hash, parent_hash"
+)
+
+
+def _node(row: tuple) -> Node:
+    return Node(*row)
+
+
+class Index:
+    """Typed access to the index database."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute("PRAGMA cache_size=-65536")  # 64 MiB page cache, bounded
+        self.db.execute("PRAGMA temp_store=MEMORY")
+        create_tables(self.db)
+        if self.get_meta("schema_version") is None:
+            self.set_meta("schema_version", str(SCHEMA_VERSION))
+            # Real inodes start above the reserved range.
+            self.db.execute(
+                "INSERT INTO sqlite_sequence (name, seq) VALUES ('nodes', ?)",
+                (FIRST_REAL_INODE - 1,),
+            )
+        elif int(self.get_meta("schema_version") or 0) != SCHEMA_VERSION:
+            raise RuntimeError(
+                f"index {path} has schema version {self.get_meta('schema_version')}, "
+                f"this kvfs reads {SCHEMA_VERSION}: run `kvfs fsck` to rebuild it"
+            )
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # -- meta ---------------------------------------------------------------------------
+
+    def get_meta(self, key: str) -> str | None:
+        row = self.db.execute("SELECT value FROM meta WHERE key=?", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, key: str, value: str) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    def get(self, inode: int) -> Node:
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE inode=?", (inode,)).fetchone()
+        if row is None:
+            raise NoSuchNode(inode)
+        return _node(row)
+
+    def find(self, inode: int) -> Node | None:
+        row = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE inode=?", (inode,)).fetchone()
+        return _node(row) if row else None
+
+    def lookup(self, parent: int, name: bytes) -> Node | None:
+        row = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE parent=? AND name=?", (parent, name)
+        ).fetchone()
+        return _node(row) if row else None
+
+    def children(self, parent: int, after: int = 0, limit: int = 1000) -> list[Node]:
+        """Entries of a directory with inode > `after`, in inode order."""
+        rows = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE parent=? AND inode>? AND inode!=? "
+            "ORDER BY inode LIMIT ?",
+            (parent, after, ROOT_INODE, limit),
+        ).fetchall()
+        return [_node(r) for r in rows]
+
+    def child_names(self, parent: int) -> dict[bytes, int]:
+        return dict(
+            self.db.execute(
+                "SELECT name, inode FROM nodes WHERE parent=? AND inode!=?", (parent, ROOT_INODE)
+            )
+        )
+
+    def has_children(self, parent: int) -> bool:
+        return (
+            self.db.execute(
+                "SELECT 1 FROM nodes WHERE parent=? AND inode!=? LIMIT 1", (parent, ROOT_INODE)
+            ).fetchone()
+            is not None
+        )
+
+    def insert(
+        self,
+        *,
+        parent: int,
+        name: bytes,
+        mode: int,
+        uid: int,
+        gid: int,
+        size: int = 0,
+        target: bytes | None = None,
+        tenant: int = 0,
+        ns: int = 0,
+        writing: int = 0,
+        atime_ns: int | None = None,
+        mtime_ns: int | None = None,
+        inode: int | None = None,
+    ) -> Node:
+        now = time.time_ns()
+        mtime = now if mtime_ns is None else mtime_ns
+        atime = now if atime_ns is None else atime_ns
+        cur = self.db.execute(
+            "INSERT INTO nodes (inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, "
+            "ctime_ns, target, tenant, ns, writing) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (inode, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant, ns,
+             writing),
+        )
+        new = cur.lastrowid if inode is None else inode
+        assert new is not None
+        # A tenant directory is its own tenant; a depth-2 directory is its own namespace.
+        if tenant == 0 and parent == ROOT_INODE and new != ROOT_INODE:
+            self.db.execute("UPDATE nodes SET tenant=? WHERE inode=?", (new, new))
+            tenant = new
+        elif ns == 0 and tenant != 0 and parent == tenant and stat.S_ISDIR(mode):
+            self.db.execute("UPDATE nodes SET ns=? WHERE inode=?", (new, new))
+            ns = new
+        return Node(new, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant,
+                    ns, writing, None, None)
+
+    def update(self, inode: int, **fields: object) -> None:
+        if not fields:
+            return
+        cols = ", ".join(f"{k}=?" for k in fields)
+        self.db.execute(f"UPDATE nodes SET {cols} WHERE inode=?", (*fields.values(), inode))
+
+    def delete(self, inode: int) -> None:
+        self.db.execute("DELETE FROM nodes WHERE inode=?", (inode,))
+
+    def orphan(self, inode: int) -> None:
+        """Take a node out of the namespace, keeping the row for the kernel's references."""
+        self.db.execute(
+            "UPDATE nodes SET parent=?, name=? WHERE inode=?",
+            (ORPHAN_PARENT, b"#%d" % inode, inode),
+        )
+
+    def move(self, inode: int, new_parent: int, new_name: bytes) -> None:
+        self.db.execute(
+            "UPDATE nodes SET parent=?, name=?, ctime_ns=? WHERE inode=?",
+            (new_parent, new_name, time.time_ns(), inode),
+        )
+
+    def reassign_subtree(self, inode: int, tenant: int, ns: int) -> None:
+        """Set tenant and namespace of a subtree moved to a new place.
+
+        A node at depth 2 is its own namespace, so `ns` applies to the top of the subtree
+        and is inherited below it.
+        """
+        self.db.execute(
+            """
+            WITH RECURSIVE sub(i) AS (
+                SELECT ? UNION ALL SELECT n.inode FROM nodes n JOIN sub ON n.parent = sub.i
+                WHERE n.inode != n.parent
+            )
+            UPDATE nodes SET tenant=?, ns=? WHERE inode IN (SELECT i FROM sub)
+            """,
+            (inode, tenant, ns),
+        )
+
+    def purge_orphans(self) -> int:
+        return self.db.execute("DELETE FROM nodes WHERE parent=?", (ORPHAN_PARENT,)).rowcount
+
+    def writing_nodes(self) -> list[Node]:
+        rows = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE writing=1").fetchall()
+        return [_node(r) for r in rows]
+
+    # -- accounting -----------------------------------------------------------------------
+
+    def usage_by_namespace(self) -> dict[tuple[int, int], tuple[int, int]]:
+        """(tenant, ns) -> (regular files, bytes), over nodes that have a name."""
+        rows = self.db.execute(
+            "SELECT tenant, ns, COUNT(*), COALESCE(SUM(size), 0) FROM nodes "
+            "WHERE (mode & ?) = ? AND parent != ? GROUP BY tenant, ns",
+            (0o170000, stat.S_IFREG, ORPHAN_PARENT),
+        ).fetchall()
+        return {(t, n): (c, b) for t, n, c, b in rows}
+
+    def count(self) -> int:
+        return self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0]
+
+
+def ensure_root(index: Index, st: os.stat_result) -> Node:
+    """Make sure the root row exists, mirroring the backing directory's attributes."""
+    root = index.find(ROOT_INODE)
+    if root is None:
+        index.insert(
+            inode=ROOT_INODE,
+            parent=ROOT_INODE,
+            name=b"",
+            mode=st.st_mode,
+            uid=st.st_uid,
+            gid=st.st_gid,
+            atime_ns=st.st_atime_ns,
+            mtime_ns=st.st_mtime_ns,
+        )
+        root = index.get(ROOT_INODE)
+    return root

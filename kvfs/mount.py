@@ -1,0 +1,151 @@
+"""The mount entry point: open the backing directory, mount, serve until unmounted.
+
+This is the only module that imports `kvfs.fs` (and with it pyfuse3). It owns the daemon's
+lifetime: the lock on the backing directory, the quick fsck after an unclean stop, the
+pyfuse3 session, the trio nursery of background tasks, signal handling and the clean-stop
+marker.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from . import fsck
+from .fs import MountInfo, Operations
+from .index import Index
+from .store import BackingStore
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.db"
+LOCK_NAME = "lock"
+
+
+class MountError(Exception):
+    """A mount that cannot start, for a reason the user can fix."""
+
+
+@dataclass
+class MountOptions:
+    backing: str
+    mountpoint: str
+    capacity: int | None = None
+    debug: bool = False
+    io_threads: int = 32
+
+
+def open_state_dir(backing: str) -> tuple[BackingStore, int]:
+    """Create the backing layout if needed and take the exclusive lock on it."""
+    if not os.path.isdir(backing):
+        raise MountError(f"backing directory {backing} does not exist")
+    store = BackingStore(backing)
+    os.makedirs(store.state_dir, mode=0o700, exist_ok=True)
+    lock_fd = os.open(os.path.join(store.state_dir, LOCK_NAME.encode()),
+                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
+        os.close(lock_fd)
+        raise MountError(
+            f"backing directory {backing} is in use by another kvfs process (pid {holder})"
+        ) from None
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    return store, lock_fd
+
+
+def open_index(store: BackingStore) -> Index:
+    return Index(os.path.join(os.fsdecode(store.state_dir), INDEX_NAME))
+
+
+def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
+    """Lock the backing directory and bring the index up to date."""
+    store, lock_fd = open_state_dir(opts.backing)
+    index = open_index(store)
+    if index.get_meta("clean") != "1":
+        log.info("index of %s was not closed cleanly: reconciling with the backing tree",
+                 opts.backing)
+        report = fsck.reconcile(index, store,
+                                progress=lambda n: log.info("fsck: %d entries", n))
+        log.info("fsck: %s", report.summary())
+    else:
+        index.purge_orphans()
+    index.set_meta("clean", "0")
+    return index, store, lock_fd
+
+
+def mount_options(debug: bool) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts |= {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
+    if os.getuid() == 0:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: ignore[valid-type]
+    """Mount and serve until unmounted or signalled. `ready()` is called once mounted."""
+    os.umask(0)  # modes are set explicitly, as the callers asked for them
+    mountpoint = os.path.abspath(opts.mountpoint)
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"{mountpoint} is already a mount point")
+    index, store, lock_fd = prepare(opts)
+    info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
+                     capacity=opts.capacity)
+    owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
+    ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads)
+    try:
+        pyfuse3.init(ops, mountpoint, mount_options(opts.debug))
+    except RuntimeError as exc:
+        index.set_meta("clean", "1")
+        index.close()
+        raise MountError(f"cannot mount {mountpoint}: {exc}") from None
+    log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    if ready is not None:
+        ready()
+    signalled = False
+
+    async def main() -> None:
+        nonlocal signalled
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                nonlocal signalled
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                    async for signum in sigs:
+                        log.info("signal %d: unmounting", signum)
+                        signalled = True
+                        pyfuse3.terminate()
+                        return
+
+            nursery.start_soon(watch_signals)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        try:
+            pyfuse3.close(unmount=signalled)
+        except OSError as exc:  # already unmounted by fusermount3 -u
+            if exc.errno not in (errno.EINVAL, errno.ENOENT):
+                raise
+        for of_inode in list(ops.open_files):
+            ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
+        index.set_meta("clean", "1" if not ops.open_files else "0")
+        index.close()
+        os.close(lock_fd)
+        log.info("unmounted %s", mountpoint)
+    return 0

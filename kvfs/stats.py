@@ -1,0 +1,79 @@
+"""Counters per tenant and model namespace, and their JSON rendering.
+
+Keys are (tenant inode, namespace inode); 0 stands for "none at that level" (a file directly
+in a tenant directory has namespace 0). The daemon updates counters on its event-loop thread
+only, so plain integers suffice.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+Key = tuple[int, int]
+
+
+@dataclass(slots=True)
+class Counters:
+    files: int = 0  # regular files that have a name
+    bytes: int = 0  # their apparent sizes
+    reads: int = 0  # read requests served through the mount
+    read_bytes: int = 0
+    writes: int = 0  # write requests through the mount
+    write_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class Stats:
+    """All counters of one mount."""
+
+    def __init__(self) -> None:
+        self.by_ns: defaultdict[Key, Counters] = defaultdict(Counters)
+
+    def reset_usage(self, usage: dict[Key, tuple[int, int]]) -> None:
+        for c in self.by_ns.values():
+            c.files = c.bytes = 0
+        for key, (files, size) in usage.items():
+            c = self.by_ns[key]
+            c.files, c.bytes = files, size
+
+    def account(self, key: Key, files: int, size: int) -> None:
+        c = self.by_ns[key]
+        c.files += files
+        c.bytes += size
+
+    def read(self, key: Key, n: int) -> None:
+        c = self.by_ns[key]
+        c.reads += 1
+        c.read_bytes += n
+
+    def write(self, key: Key, n: int) -> None:
+        c = self.by_ns[key]
+        c.writes += 1
+        c.write_bytes += n
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(c.bytes for c in self.by_ns.values())
+
+    @property
+    def total_files(self) -> int:
+        return sum(c.files for c in self.by_ns.values())
+
+    def tenant_bytes(self, tenant: int) -> int:
+        return sum(c.bytes for (t, _), c in self.by_ns.items() if t == tenant)
+
+    def drop_tenant(self, tenant: int) -> None:
+        for key in [k for k in self.by_ns if k[0] == tenant]:
+            del self.by_ns[key]
+
+    def render(self, names: dict[int, str]) -> dict[str, dict[str, dict[str, int]]]:
+        """{tenant name: {namespace name: counters}}; "" names files above any namespace."""
+        out: dict[str, dict[str, dict[str, int]]] = {}
+        for (tenant, ns), c in sorted(self.by_ns.items()):
+            if tenant == 0 or tenant not in names:
+                continue
+            out.setdefault(names[tenant], {})[names.get(ns, "")] = c.as_dict()
+        return out
