@@ -62,7 +62,7 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from .mount import MountError, MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
+    from .mount import MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
 
     conf: dict[str, Any] = load(args.config) if args.config else {}
     backing = args.backing or conf.get("backing")

@@ -27,8 +27,8 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from . import __version__, blockfile, hashing
-from .index import ORPHAN_PARENT, ROOT_INODE, Index, NoSuchNode, Node
+from . import __version__, blockfile, control, hashing
+from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .stats import Key, Stats
 from .store import BackingStore
 
@@ -771,9 +771,12 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Any) -> None:
         if inode < 1000 or not name.startswith(b"user."):
             raise FUSEError(errno.ENOTSUP if inode >= 1000 else errno.EPERM)
+        node = self.index.get(inode)
+        if name in control.COMMANDS:
+            await self._command(node, name, value, ctx)
+            return
         if name.startswith(XATTR_PREFIX):
             raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
-        node = self.index.get(inode)
         await self._io(self.store.setxattr, self._path(node), name, value)
 
     @handler
@@ -784,6 +787,120 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EPERM)
         node = self.index.get(inode)
         await self._io(self.store.removexattr, self._path(node), name)
+
+    # -- the direct path's control commands --------------------------------------------------
+
+    async def _command(self, dnode: Node, name: bytes, value: bytes, ctx: Any) -> None:
+        # The kernel has checked write permission on the directory (default_permissions).
+        if not dnode.is_dir or dnode.ns == 0:
+            raise FUSEError(errno.EINVAL)  # commands address a model-namespace directory
+        try:
+            if name == control.PUBLISH:
+                await self._publish(dnode, control.unpack_hashes(value), ctx)
+            elif name == control.ACCESS:
+                self._access(dnode, control.Access.unpack(value))
+            else:
+                await self._corrupt(dnode, control.unpack_hashes(value))
+        except control.ControlError as exc:
+            log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
+            raise FUSEError(errno.EINVAL) from None
+
+    def _inspect_blocks(self, rels: list[bytes]) -> list[tuple[Any, os.stat_result | None]]:
+        """Thread: header and stat of each published file, or the error that refuses it."""
+        out: list[tuple[Any, os.stat_result | None]] = []
+        for rel in rels:
+            try:
+                head, size = self.store.read_head(rel, blockfile.HEADER_SIZE)
+                hdr = blockfile.decode_header(head)
+                blockfile.verify_file_size(hdr, size)
+                out.append((hdr, self.store.lstat(rel)))
+            except (OSError, blockfile.BlockFormatError) as exc:
+                out.append((exc, None))
+        return out
+
+    async def _publish(self, dnode: Node, hashes: list[bytes], ctx: Any) -> None:
+        """Index blocks that a client wrote and renamed into place below `dnode`."""
+        dpath = self._path(dnode)
+        rels = [self._join(dpath, hashing.block_relpath(h).encode()) for h in hashes]
+        fans = sorted({h[:1].hex().encode() for h in hashes})
+        fan_stats = await self._io(
+            lambda: {f: self.store.lstat(self._join(dpath, f)) for f in fans
+                     if os.path.isdir(self.store.path(self._join(dpath, f)))})
+        inspected = await self._io(self._inspect_blocks, rels)
+        dnode = self.index.get(dnode.inode)
+        refused: list[bytes] = []
+        key = self._key(dnode)
+        with self.index.transaction():
+            for h, rel, (hdr, st) in zip(hashes, rels, inspected, strict=True):
+                if st is None or hdr.block_hash != h:
+                    log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
+                                hdr if st is None else "header names another block")
+                    continue
+                fan = h[:1].hex().encode()
+                fnode = self.index.lookup(dnode.inode, fan)
+                if fnode is None:
+                    fst = fan_stats[fan]
+                    fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
+                                              uid=fst.st_uid, gid=fst.st_gid,
+                                              tenant=dnode.tenant, ns=dnode.ns)
+                fname = hashing.block_filename(h).encode()
+                existing = self.index.lookup(fnode.inode, fname)
+                if existing is not None:
+                    continue  # content-addressed: publishing twice changes nothing
+                cap = self.info.capacity
+                if cap is not None and self.stats.used_bytes + st.st_size > cap:
+                    refused.append(rel)
+                    continue
+                node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
+                                         uid=st.st_uid, gid=st.st_gid, size=st.st_size,
+                                         tenant=dnode.tenant, ns=dnode.ns)
+                self.index.update(node.inode, block_hash=hdr.block_hash,
+                                  parent_hash=hdr.parent_hash)
+                self.stats.account(key, 1, st.st_size)
+                c = self.stats.by_ns[key]
+                c.published_blocks += 1
+                c.published_bytes += st.st_size
+        if refused:
+            # Nothing is left behind by a write that cannot be placed.
+            await self._io(lambda: [self.store.unlink(r) for r in refused])
+            raise FUSEError(errno.ENOSPC)
+
+    def _access(self, dnode: Node, a: control.Access) -> None:
+        c = self.stats.by_ns[self._key(dnode)]
+        c.lookups += a.lookups
+        c.hit_blocks += a.hit_blocks
+        c.miss_blocks += a.miss_blocks
+        c.hit_tokens += a.hit_tokens
+        c.miss_tokens += a.miss_tokens
+        c.direct_read_bytes += a.read_bytes
+        if a.hashes:
+            self.index.touch_blocks(dnode.ns, list(a.hashes), time.time_ns())
+
+    def _verify_block(self, rel: bytes) -> str | None:
+        """Thread: None if the block file is sound, else what is wrong with it."""
+        try:
+            with open(self.store.path(rel), "rb") as f:
+                blockfile.decode(f.read())
+        except blockfile.BlockFormatError as exc:
+            return str(exc)
+        return None
+
+    async def _corrupt(self, dnode: Node, hashes: list[bytes]) -> None:
+        """A client found these blocks bad: check, and quarantine the ones that are."""
+        for h in hashes:
+            node = self.index.find_block(dnode.ns, h)
+            if node is None:
+                continue
+            rel = self._path(node)
+            problem = await self._io(self._verify_block, rel)
+            if problem is None:
+                continue  # the client's read was bad, not the file
+            await self._io(self.store.quarantine, rel)
+            node = self.index.find(node.inode)
+            if node is not None and node.parent != ORPHAN_PARENT:
+                self._drop(node)
+            self.stats.by_ns[self._key(dnode)].checksum_failures += 1
+            log.warning("quarantined %s: %s", rel.decode(errors="replace"), problem)
 
     # -- the filesystem as a whole --------------------------------------------------------
 

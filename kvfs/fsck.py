@@ -28,8 +28,6 @@ from .store import STATE_DIR, TEMP_PREFIX, BackingStore
 
 log = logging.getLogger(__name__)
 
-QUARANTINE = b"quarantine"
-
 
 @dataclass
 class FsckReport:
@@ -77,10 +75,7 @@ class Reconciler:
         return rel.decode(errors="replace")
 
     def quarantine(self, rel: bytes, reason: str) -> None:
-        qdir = os.path.join(self.store.state_dir, QUARANTINE)
-        os.makedirs(qdir, mode=0o700, exist_ok=True)
-        dest = os.path.join(qdir, rel.replace(b"/", b"%") + b".%d" % time.time_ns())
-        os.rename(self.store.path(rel), dest)
+        self.store.quarantine(rel)
         log.warning("quarantined %s: %s", self._show(rel), reason)
         self.report.quarantined.append(self._show(rel))
 

@@ -83,6 +83,9 @@ def create_tables(db: sqlite3.Connection) -> None:
         -- Directory listing in inode order: readdir offsets are inodes, so they stay stable
         -- while entries are added and removed.
         CREATE INDEX IF NOT EXISTS nodes_by_parent ON nodes (parent, inode);
+        -- Blocks by namespace and hash: access records, chains, quarantine.
+        CREATE INDEX IF NOT EXISTS nodes_by_block ON nodes (ns, block_hash)
+            WHERE block_hash IS NOT NULL;
         CREATE TABLE IF NOT EXISTS meta (
             key   TEXT PRIMARY KEY,
             value TEXT NOT NULL
@@ -298,6 +301,19 @@ class Index:
 
     def purge_orphans(self) -> int:
         return self.db.execute("DELETE FROM nodes WHERE parent=?", (ORPHAN_PARENT,)).rowcount
+
+    def find_block(self, ns: int, block_hash: bytes) -> Node | None:
+        row = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE ns=? AND block_hash=? AND parent!=? LIMIT 1",
+            (ns, block_hash, ORPHAN_PARENT),
+        ).fetchone()
+        return _node(row) if row else None
+
+    def touch_blocks(self, ns: int, hashes: list[bytes], atime_ns: int) -> None:
+        self.db.executemany(
+            "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?",
+            [(atime_ns, ns, h) for h in hashes],
+        )
 
     def writing_nodes(self) -> list[Node]:
         rows = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE writing=1").fetchall()

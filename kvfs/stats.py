@@ -21,6 +21,16 @@ class Counters:
     read_bytes: int = 0
     writes: int = 0  # write requests through the mount
     write_bytes: int = 0
+    # The direct path, as its clients report it through the control xattrs.
+    lookups: int = 0
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    direct_read_bytes: int = 0
+    published_blocks: int = 0
+    published_bytes: int = 0
+    checksum_failures: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

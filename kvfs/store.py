@@ -12,6 +12,7 @@ import ctypes
 import errno
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -20,6 +21,8 @@ log = logging.getLogger(__name__)
 STATE_DIR = b".kvfs"
 #: Prefix of temporaries that the direct path writes before renaming into place.
 TEMP_PREFIX = b".kvfs-tmp."
+#: Bad files are moved here, below STATE_DIR.
+QUARANTINE = b"quarantine"
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -121,6 +124,14 @@ class BackingStore:
             return os.pread(fd, length, 0), os.fstat(fd).st_size
         finally:
             os.close(fd)
+
+    def quarantine(self, rel: bytes) -> bytes:
+        """Move a bad file out of the namespace into the state directory; never served."""
+        qdir = os.path.join(self.state_dir, QUARANTINE)
+        os.makedirs(qdir, mode=0o700, exist_ok=True)
+        dest = os.path.join(qdir, rel.replace(b"/", b"%") + b".%d" % time.time_ns())
+        os.rename(self.path(rel), dest)
+        return dest
 
     # -- extended attributes (user.* only; stored on the backing files themselves) -------
 

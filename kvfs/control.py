@@ -1,0 +1,80 @@
+"""The control protocol of the direct path: batched commands as xattrs on a directory.
+
+A client that reads and writes backing files itself tells the daemon what it did in a
+constant number of calls per request, never one per block. Each command is a `setxattr` on
+the directory that holds the blocks (normally the model namespace), so the kernel checks the
+caller's write permission on it exactly as for a file write: a tenant can only command its
+own directories. Payloads are packed binary, at most 64 KiB (the kernel's xattr limit);
+clients split larger batches.
+
+- ``user.kvfs.publish``: N x 16-byte block hashes. The files ``<hh>/<hash>.kv`` below the
+  directory were written and renamed into place: verify their headers and index them.
+- ``user.kvfs.access``: an `Access` record followed by N x 16-byte hashes of blocks that
+  were hits (their access time drives LRU). Counts a lookup's hits and misses.
+- ``user.kvfs.corrupt``: N x 16-byte hashes of blocks that failed verification on read:
+  quarantine them, so that they become misses for everyone.
+
+Queries are plain getxattr: ``user.kvfs.backing`` on any node gives its backing path.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+PUBLISH = b"user.kvfs.publish"
+ACCESS = b"user.kvfs.access"
+CORRUPT = b"user.kvfs.corrupt"
+COMMANDS = (PUBLISH, ACCESS, CORRUPT)
+
+HASH_LEN = 16
+XATTR_MAX = 65536
+_ACCESS = struct.Struct("<4sIIIQQQ")
+ACCESS_MAGIC = b"KVA1"
+#: Hashes that fit in one command.
+MAX_HASHES = (XATTR_MAX - _ACCESS.size) // HASH_LEN
+
+
+class ControlError(ValueError):
+    """A malformed control payload."""
+
+
+def pack_hashes(hashes: list[bytes]) -> bytes:
+    if any(len(h) != HASH_LEN for h in hashes):
+        raise ControlError("block hashes are 16 bytes")
+    if len(hashes) > MAX_HASHES:
+        raise ControlError(f"at most {MAX_HASHES} hashes per command")
+    return b"".join(hashes)
+
+
+def unpack_hashes(value: bytes) -> list[bytes]:
+    if len(value) % HASH_LEN:
+        raise ControlError(f"payload of {len(value)} bytes is not a list of 16-byte hashes")
+    return [value[i:i + HASH_LEN] for i in range(0, len(value), HASH_LEN)]
+
+
+@dataclass(frozen=True)
+class Access:
+    """What one lookup or load found."""
+
+    lookups: int = 1  # lookup calls this record stands for
+    hit_blocks: int = 0
+    miss_blocks: int = 0
+    hit_tokens: int = 0
+    miss_tokens: int = 0
+    read_bytes: int = 0  # bytes the client read from backing files itself
+    hashes: tuple[bytes, ...] = ()  # blocks that were hits, for their access time
+
+    def pack(self) -> bytes:
+        head = _ACCESS.pack(ACCESS_MAGIC, self.lookups, self.hit_blocks, self.miss_blocks,
+                            self.hit_tokens, self.miss_tokens, self.read_bytes)
+        return head + pack_hashes(list(self.hashes))
+
+    @classmethod
+    def unpack(cls, value: bytes) -> Access:
+        if len(value) < _ACCESS.size:
+            raise ControlError("access record too short")
+        magic, lookups, hb, mb, ht, mt, rb = _ACCESS.unpack_from(value)
+        if magic != ACCESS_MAGIC:
+            raise ControlError(f"access record has magic {magic!r}, expected {ACCESS_MAGIC!r}")
+        return cls(lookups, hb, mb, ht, mt, rb, tuple(unpack_hashes(value[_ACCESS.size:])))
