@@ -620,6 +620,8 @@ class Operations(pyfuse3.Operations):
             return
         block_hash = hashing.parse_block_filename(node.name.decode(errors="replace"))
         if block_hash is None:
+            if node.block_hash is not None:
+                self.index.update(inode, block_hash=None, parent_hash=None)
             return
         head, size = await self._io(self.store.read_head, self._path(node), blockfile.HEADER_SIZE)
         try:
@@ -721,6 +723,10 @@ class Operations(pyfuse3.Operations):
             self._replace_place(node, new_parent)
         if node.is_dir or (target is not None and target.is_dir):
             self._forget_dir_paths()
+        if node.is_reg and node.inode not in self.open_files and (
+                node.block_hash is not None or hashing.parse_block_filename(
+                    name_new.decode(errors="replace")) is not None):
+            await self._complete(node.inode)  # renamed into (or out of) a block's name
 
     def _replace_place(self, node: Node, new_parent: Node) -> None:
         """After a move: give a subtree the tenant and namespace of its new place."""

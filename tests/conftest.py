@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -83,18 +84,20 @@ def force_unmount(mnt: Path) -> None:
 
 
 @pytest.fixture
-def mount_factory(tmp_path: Path) -> Iterator:
+def mount_factory() -> Iterator:
     why = fuse_available()
     if why:
         pytest.skip(why)
     mounts: list[Mount] = []
+    # Other tenants' uids must be able to reach the mount point: a world-traversable base.
+    tmp_path = Path(tempfile.mkdtemp(prefix="kvfs-test-"))
+    os.chmod(tmp_path, 0o755)
 
     def make(name: str = "m", extra: list[str] | None = None, start: bool = True) -> Mount:
         base = tmp_path / name
         backing, mnt = base / "backing", base / "mnt"
         backing.mkdir(parents=True, exist_ok=True)
         mnt.mkdir(parents=True, exist_ok=True)
-        os.chmod(tmp_path, 0o755)
         os.chmod(base, 0o755)
         m = Mount(backing, mnt, base / "daemon.log", extra or [])
         mounts.append(m)
@@ -116,6 +119,8 @@ def mount_factory(tmp_path: Path) -> Iterator:
     deadline = time.monotonic() + 5
     while any(os.path.ismount(m.mnt) for m in mounts) and time.monotonic() < deadline:
         time.sleep(0.05)
+    if not any(os.path.ismount(m.mnt) for m in mounts):
+        shutil.rmtree(tmp_path, ignore_errors=True)
     if problems:
         pytest.fail("\n".join(problems))
 
