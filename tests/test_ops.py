@@ -191,3 +191,77 @@ def test_index_schema_version_is_checked(tmp_path):
     Index(path).set_meta("schema_version", "999")
     with pytest.raises(RuntimeError, match="schema version 999"):
         Index(path)
+
+
+# -- model-based: random operation sequences against a dict model --------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+NAMES = st.sampled_from([b"a", b"b", b"c", b"d"])
+OPS = st.one_of(
+    st.tuples(st.just("write"), NAMES, st.binary(max_size=64)),
+    st.tuples(st.just("unlink"), NAMES),
+    st.tuples(st.just("rename"), NAMES, NAMES),
+    st.tuples(st.just("truncate"), NAMES, st.integers(0, 100)),
+)
+
+
+@settings(max_examples=100, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(seq=st.lists(OPS, max_size=25))
+def test_random_sequences_match_a_model(tmp_path_factory, seq):
+    backing = tmp_path_factory.mktemp("b")
+    (backing / ".kvfs").mkdir()
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    fsck.reconcile(index, store)
+    ops = Operations(index, store, MountInfo("/nonexistent", str(backing), capacity=None))
+    model: dict[bytes, bytes] = {}
+
+    async def go():
+        t = (await ops.mkdir(ROOT_INODE, b"t", 0o755, ROOT)).st_ino
+        for op in seq:
+            name = op[1]
+            node = ops.index.lookup(t, name)
+            try:
+                if op[0] == "write":
+                    if node is None:
+                        fi, _ = await ops.create(t, name, 0o644, os.O_WRONLY, ROOT)
+                    else:
+                        fi = await ops.open(node.inode, os.O_WRONLY | os.O_TRUNC, ROOT)
+                    await ops.write(fi.fh, 0, op[2])
+                    await ops.release(fi.fh)
+                    model[name] = op[2]
+                elif op[0] == "unlink":
+                    await ops.unlink(t, name, ROOT)
+                    del model[name]
+                elif op[0] == "rename":
+                    await ops.rename(t, name, t, op[2], 0, ROOT)
+                    if name != op[2]:
+                        model[op[2]] = model.pop(name)
+                else:
+                    if node is None:
+                        raise pyfuse3.FUSEError(errno.ENOENT)
+                    attr = pyfuse3.EntryAttributes()
+                    attr.st_size = op[2]
+                    fields = SimpleNamespace(update_size=True, update_mode=False,
+                                             update_uid=False, update_gid=False,
+                                             update_atime=False, update_mtime=False)
+                    await ops.setattr(node.inode, attr, fields, None, ROOT)
+                    model[name] = model[name][: op[2]].ljust(op[2], b"\0")
+            except pyfuse3.FUSEError as exc:
+                assert exc.errno == errno.ENOENT and name not in model
+            ops.lookups.clear()
+        return t
+
+    t = run(go)
+    listed = {n: ops.index.get(i) for n, i in ops.index.child_names(t).items()}
+    assert set(listed) == set(model)
+    for name, data in model.items():
+        assert listed[name].size == len(data)
+        assert (backing / "t" / name.decode()).read_bytes() == data
+    assert ops.stats.used_bytes == sum(len(d) for d in model.values())
+    report = fsck.reconcile(index, store)
+    assert report.changes == 0, report.summary()
+    index.close()
