@@ -31,7 +31,8 @@ def tenant(mount):
     return mount.mnt / "acme"
 
 
-def make_block(i: int, parent: bytes = hashing.ROOT_PARENT, size: int = 8192) -> tuple[bytes, bytes]:
+def make_block(i: int, parent: bytes = hashing.ROOT_PARENT, size: int = 8192
+               ) -> tuple[bytes, bytes]:
     h = hashing.block_hashes([i] * 16, 16, parent=parent)[0]
     payload = bytes([i % 251]) * size
     data = blockfile.encode(block_hash=h, parent_hash=parent, fingerprint=bytes(16),
@@ -110,7 +111,7 @@ def test_names(tenant, mount):
     deep = ns / "a" / "b" / "c" / "d"
     deep.mkdir(parents=True)
     (deep / "f").write_bytes(b"deep")
-    assert (mount.backing / "acme" / "llama@abc" / "a" / "b" / "c" / "d" / "f").read_bytes() == b"deep"
+    assert (mount.backing / "acme/llama@abc/a/b/c/d/f").read_bytes() == b"deep"
 
 
 def test_top_level_is_tenants_only(mount):
