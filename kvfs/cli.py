@@ -70,13 +70,23 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if not backing or not mountpoint:
         raise CliError("mount needs BACKING_DIR and MOUNTPOINT (or both in --config)", EXIT_USAGE)
     capacity = args.capacity if args.capacity is not None else conf.get("capacity")
+
+    def pick(name: str, default: Any) -> Any:
+        value = getattr(args, name)
+        return value if value is not None else conf.get(name, default)
+
     opts = MountOptions(
         backing=os.path.abspath(backing),
         mountpoint=os.path.abspath(mountpoint),
         capacity=parse_size(capacity) if capacity is not None else None,
         debug=args.debug or bool(conf.get("debug", False)),
         io_threads=int(conf.get("io_threads", 32)),
+        policy=pick("policy", "lru"),
+        high_watermark=float(pick("high_watermark", 0.95)),
+        low_watermark=float(pick("low_watermark", 0.90)),
+        scan_interval=float(pick("scan_interval", 60.0)),
     )
+    _validate(opts)
     log_file = args.log or conf.get("log")
     if args.foreground:
         return _mount_foreground(opts, log_file, args.ready_fd)
@@ -92,6 +102,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
            "--foreground", "--ready-fd", str(wfd), "--log", log_file]
     if opts.capacity is not None:
         cmd += ["--capacity", str(opts.capacity)]
+    cmd += ["--policy", opts.policy, "--high-watermark", str(opts.high_watermark),
+            "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval)]
     if args.config:
         cmd += ["--config", args.config]
     if opts.debug:
@@ -109,6 +121,17 @@ def cmd_mount(args: argparse.Namespace) -> int:
     code = proc.wait()
     raise CliError(msg.decode(errors="replace").strip() or
                    f"the daemon exited with status {code} before mounting; see {log_file}")
+
+
+def _validate(opts: Any) -> None:
+    from .capacity import Budget  # noqa: PLC0415
+    from .policy import POLICIES  # noqa: PLC0415
+
+    Budget(opts.capacity, opts.high_watermark, opts.low_watermark)
+    if opts.policy not in POLICIES:
+        raise ConfigError(f"unknown policy {opts.policy!r}; choose from {', '.join(POLICIES)}")
+    if opts.scan_interval <= 0:
+        raise ConfigError("scan_interval must be positive")
 
 
 def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
@@ -285,6 +308,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached")
     m.add_argument("--config", help="TOML config file; the command line overrides it")
     m.add_argument("--log", help="log file (default: BACKING/.kvfs/daemon.log in background)")
+    m.add_argument("--policy", help="eviction policy (default lru)")
+    m.add_argument("--high-watermark", type=float, dest="high_watermark",
+                   help="start background eviction above this fraction of capacity (0.95)")
+    m.add_argument("--low-watermark", type=float, dest="low_watermark",
+                   help="background eviction frees down to this fraction (0.90)")
+    m.add_argument("--scan-interval", type=float, dest="scan_interval",
+                   help="seconds between retention scans (60)")
     m.add_argument("--debug", action="store_true")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)

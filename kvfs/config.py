@@ -17,6 +17,10 @@ KEYS: dict[str, type] = {
     "log": str,
     "debug": bool,
     "io_threads": int,
+    "policy": str,
+    "high_watermark": float,
+    "low_watermark": float,
+    "scan_interval": float,
 }
 
 
@@ -50,6 +54,8 @@ def load(path: str) -> dict[str, Any]:
             raise ConfigError(f"config {path}: unknown key {key!r}")
         want = KEYS[key]
         if key == "capacity" and isinstance(value, int):
+            continue
+        if want is float and isinstance(value, int):
             continue
         if not isinstance(value, want):
             raise ConfigError(f"config {path}: {key} must be a {want.__name__}")

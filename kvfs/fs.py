@@ -28,7 +28,9 @@ import trio
 from pyfuse3 import FUSEError
 
 from . import __version__, blockfile, control, hashing
+from .capacity import Budget, Limits, quota_overflow
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
+from .policy import Policy, policy_by_name
 from .stats import Key, Stats
 from .store import BackingStore
 
@@ -111,6 +113,11 @@ class MountInfo:
     mountpoint: str
     backing: str
     capacity: int | None
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    #: Seconds between retention scans.
+    scan_interval: float = 60.0
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -142,6 +149,172 @@ class Operations(pyfuse3.Operations):
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
         self._dir_paths: dict[int, bytes] = {ROOT_INODE: b""}
+        self.budget = Budget(info.capacity, info.high_watermark, info.low_watermark)
+        self.limits: dict[int, Limits] = {}
+        self.policies: dict[int, Policy] = {}
+        self.evicting: set[int] = set()
+        self._evict_wanted: trio.Event | None = None
+        self._load_policies()
+
+    # -- background work ------------------------------------------------------------------
+
+    def _policy(self, tenant: int) -> Policy:
+        p = self.policies.get(tenant)
+        if p is None:
+            p = self.policies[tenant] = policy_by_name(self.info.policy)
+        return p
+
+    def _load_policies(self) -> None:
+        """Rebuild the eviction policies' state from the index, oldest access first."""
+        for inode, tenant, size, parent, pinned in self.index.cached_files():
+            p = self._policy(tenant)
+            p.insert(inode, size, parent=parent, now=0.0)
+            if pinned:
+                p.pin(inode, True)
+
+    def load_limits(self) -> None:
+        """Read every tenant's limits from its backing directory (blocking: before serving)."""
+        for t in self.index.tenants():
+            self.limits[t.inode] = self.store.read_limits(t.name)
+
+    async def run_background(self) -> None:
+        """The daemon's own tasks: eviction above the high watermark, retention."""
+        self._evict_wanted = trio.Event()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._evict_loop)
+            nursery.start_soon(self._retention_loop)
+
+    def _wake_evictor(self) -> None:
+        if self._evict_wanted is not None and self.budget.excess(self.stats.used_bytes):
+            self._evict_wanted.set()
+
+    async def _evict_loop(self) -> None:
+        while True:
+            assert self._evict_wanted is not None
+            await self._evict_wanted.wait()
+            self._evict_wanted = trio.Event()
+            need = self.budget.excess(self.stats.used_bytes)
+            if need:
+                try:
+                    freed = await self.evict(need)
+                except Exception:
+                    log.exception("background eviction failed")
+                    await trio.sleep(1)
+                    continue
+                log.debug("background eviction freed %d of %d bytes", freed, need)
+
+    async def _retention_loop(self) -> None:
+        while True:
+            await trio.sleep(self.info.scan_interval)
+            try:
+                await self.expire()
+            except Exception:
+                log.exception("retention scan failed")
+
+    def _victims(self, need: int, tenant: int | None) -> list[Node]:
+        """Choose files to evict that free at least `need` bytes (fewer if there are not
+        enough). Without a tenant, take from the tenant furthest over its share first."""
+        chosen: list[Node] = []
+        freed = 0
+        tenants = [tenant] if tenant is not None else sorted(
+            self.policies, key=lambda t: -self._pressure(t))
+        for t in tenants:
+            policy = self.policies.get(t)
+            if policy is None:
+                continue
+            stale = []
+            for inode in policy.victims():
+                if inode in self.open_files or inode in self.evicting:
+                    continue  # being read or written: never evicted
+                node = self.index.find(inode)
+                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg:
+                    stale.append(inode)
+                    continue
+                chosen.append(node)
+                freed += node.size
+                if freed >= need:
+                    break
+            for inode in stale:
+                policy.remove(inode)
+            if freed >= need:
+                break
+        return chosen
+
+    def _pressure(self, tenant: int) -> float:
+        used = self.stats.tenant_bytes(tenant)
+        limits = self.limits.get(tenant)
+        share = limits.quota if limits is not None and limits.quota else (
+            self.info.capacity or 1)
+        return used / share
+
+    async def evict(self, need: int, tenant: int | None = None, reason: str = "evicted") -> int:
+        """Evict files worth at least `need` bytes; returns the bytes freed."""
+        return await self._remove_files(self._victims(need, tenant), reason)
+
+    async def _remove_files(self, nodes: list[Node], reason: str) -> int:
+        """Unlink files chosen by the daemon itself (eviction, retention).
+
+        While their backing files are being unlinked they are marked `evicting`, so that no
+        open can start on them; then they leave the index and the kernel's caches."""
+        if not nodes:
+            return 0
+        self.evicting.update(n.inode for n in nodes)
+        try:
+            paths = [self._path(n) for n in nodes]
+            await self._io(self.store.unlink_many, paths)
+        finally:
+            self.evicting.difference_update(n.inode for n in nodes)
+        freed = 0
+        for node in nodes:
+            current = self.index.find(node.inode)
+            if current is None or current.parent == ORPHAN_PARENT:
+                continue
+            freed += self._size_of(current)
+            c = self.stats.by_ns[self._key(current)]
+            if reason == "expired":
+                c.expirations += 1
+            else:
+                c.evictions += 1
+            self._drop(current)
+            pyfuse3.invalidate_entry_async(current.parent, current.name, ignore_enoent=True)
+        return freed
+
+    async def expire(self) -> int:
+        """Remove the files that have outlived their tenant's retention limits."""
+        now = time.time_ns()
+        removed = 0
+        for tenant, limits in list(self.limits.items()):
+            if limits.max_idle is None and limits.max_age is None:
+                continue
+            idle = now - int(limits.max_idle * 1e9) if limits.max_idle is not None else 0
+            age = now - int(limits.max_age * 1e9) if limits.max_age is not None else 0
+            while True:
+                batch = [n for n in self.index.expired(tenant, idle, age)
+                         if n.inode not in self.open_files and n.inode not in self.evicting]
+                if not batch:
+                    break
+                removed += len(batch)
+                await self._remove_files(batch, "expired")
+        return removed
+
+    async def _make_room(self, node: Node, growth: int) -> None:
+        """Before a file of `node`'s tenant grows by `growth` bytes: evict to make it fit,
+        or refuse with EDQUOT (tenant quota) or ENOSPC (capacity)."""
+        if growth <= 0:
+            return
+        tenant = node.tenant
+        over = quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth)
+        if over:
+            await self.evict(over, tenant)
+            if quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth):
+                raise FUSEError(errno.EDQUOT)
+        over = self.budget.overflow(self.stats.used_bytes, growth)
+        if over:
+            await self.evict(over)
+            if self.budget.overflow(self.stats.used_bytes, growth):
+                raise FUSEError(errno.ENOSPC)
+        if self.budget.excess(self.stats.used_bytes + growth):
+            self._wake_evictor()
 
     # -- helpers --------------------------------------------------------------------------
 
@@ -250,6 +423,9 @@ class Operations(pyfuse3.Operations):
     def _drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
         if node.is_reg:
+            policy = self.policies.get(node.tenant)
+            if policy is not None:
+                policy.remove(node.inode)
             of = self.open_files.get(node.inode)
             size = of.size if of is not None and of.dirty else node.size
             self.stats.account(self._key(node), -1, -size)
@@ -265,11 +441,6 @@ class Operations(pyfuse3.Operations):
     def _size_of(self, node: Node) -> int:
         of = self.open_files.get(node.inode)
         return of.size if of is not None and of.dirty else node.size
-
-    def _check_capacity(self, growth: int) -> None:
-        cap = self.info.capacity
-        if cap is not None and growth > 0 and self.stats.used_bytes + growth > cap:
-            raise FUSEError(errno.ENOSPC)
 
     # -- lookups and attributes -----------------------------------------------------------
 
@@ -333,7 +504,7 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size < 0:
                 raise FUSEError(errno.EINVAL)
-            self._check_capacity(attr.st_size - self._size_of(node))
+            await self._make_room(node, attr.st_size - self._size_of(node))
             kwargs["size"] = attr.st_size
             h = self.handles.get(fh) if fh is not None else None
             if h is not None and h.fd >= 0 and h.writable:
@@ -492,6 +663,7 @@ class Operations(pyfuse3.Operations):
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
                                  writing=int(writable))
         self.stats.account(self._key(node), 1, 0)
+        self._policy(node.tenant).insert(node.inode, 0, now=time.time())
         fh = self._register(node, fd, writable)
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
@@ -539,6 +711,7 @@ class Operations(pyfuse3.Operations):
             self.stats.account(self._key(node), 0, -of.size)
             of.size, of.mtime_ns = 0, now
         self.index.update(inode, atime_ns=now)
+        self._policy(node.tenant).access(inode, now / 1e9)
         busy = writable or self.open_files[inode].writers > 0
         return pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=not busy)
 
@@ -558,12 +731,19 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EBADF)
         of = self.open_files[h.inode]
         growth = off + len(buf) - of.size
-        self._check_capacity(growth)
-        n = await self._io(os.pwrite, h.fd, buf, off)
-        end = off + n
-        if end > of.size:
-            self.stats.account(h.key, 0, end - of.size)
-            of.size = end
+        if growth > 0:
+            await self._make_room(self.index.get(h.inode), growth)
+            # Account before the await, so that concurrent writes see each other's growth.
+            self.stats.account(h.key, 0, growth)
+            of.size += growth
+        n = 0
+        try:
+            n = await self._io(os.pwrite, h.fd, buf, off)
+        finally:
+            if growth > 0 and n < len(buf) and of.size == off + len(buf):
+                short = min(growth, len(buf) - n)  # give back what was not written
+                self.stats.account(h.key, 0, -short)
+                of.size -= short
         of.mtime_ns = time.time_ns()
         self.stats.write(h.key, n)
         return n
@@ -637,6 +817,17 @@ class Operations(pyfuse3.Operations):
         node = self.index.find(inode)
         if node is not None and inode not in self.open_files:
             self.index.update(inode, block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
+            self._cache_block(node, hdr.parent_hash)
+
+    def _cache_block(self, node: Node, parent_hash: bytes) -> None:
+        """(Re)enter a complete block into its tenant's policy, linked to its parent."""
+        parent = self.index.find_block(node.ns, parent_hash) if node.ns else None
+        policy = self._policy(node.tenant)
+        policy.remove(node.inode)
+        policy.insert(node.inode, node.size, parent=parent.inode if parent else None,
+                      now=time.time())
+        if node.pinned:
+            policy.pin(node.inode, True)
 
     # -- names ----------------------------------------------------------------------------
 
@@ -742,6 +933,9 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes --------------------------------------------------------------
 
+    LIMIT_XATTRS = {b"user.kvfs." + n.encode(): n for n in Limits.names()}
+    PIN = b"user.kvfs.pin"
+
     def _kvfs_xattrs(self, node: Node) -> dict[bytes, bytes]:
         out = {b"user.kvfs.tier": b"hot"}
         if node.inode != ROOT_INODE:
@@ -749,6 +943,13 @@ class Operations(pyfuse3.Operations):
         if node.block_hash is not None:
             out[b"user.kvfs.block_hash"] = node.block_hash.hex().encode()
             out[b"user.kvfs.parent_hash"] = (node.parent_hash or b"").hex().encode()
+        if node.pinned:
+            out[self.PIN] = b"1"
+        if node.inode == node.tenant:
+            limits = self.limits.get(node.inode, Limits())
+            for xname, name in self.LIMIT_XATTRS.items():
+                out[xname] = limits.render(name).encode()
+            out[b"user.kvfs.used"] = str(self.stats.tenant_bytes(node.inode)).encode()
         return out
 
     @handler
@@ -780,19 +981,61 @@ class Operations(pyfuse3.Operations):
         node = self.index.get(inode)
         if name in control.COMMANDS:
             await self._command(node, name, value, ctx)
-            return
-        if name.startswith(XATTR_PREFIX):
+        elif name == self.PIN:
+            await self._pin(node, value.strip() not in (b"0", b"", b"false", b"no"))
+        elif name in self.LIMIT_XATTRS:
+            await self._set_limit(node, self.LIMIT_XATTRS[name], value, ctx)
+        elif name.startswith(XATTR_PREFIX):
             raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
-        await self._io(self.store.setxattr, self._path(node), name, value)
+        else:
+            await self._io(self.store.setxattr, self._path(node), name, value)
 
     @handler
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
         if inode < 1000 or not name.startswith(b"user."):
             raise FUSEError(errno.ENOTSUP if inode >= 1000 else errno.EPERM)
-        if name.startswith(XATTR_PREFIX):
-            raise FUSEError(errno.EPERM)
         node = self.index.get(inode)
-        await self._io(self.store.removexattr, self._path(node), name)
+        if name == self.PIN:
+            await self._pin(node, False)
+        elif name in self.LIMIT_XATTRS:
+            await self._set_limit(node, self.LIMIT_XATTRS[name], b"none", ctx)
+        elif name.startswith(XATTR_PREFIX):
+            raise FUSEError(errno.EPERM)
+        else:
+            await self._io(self.store.removexattr, self._path(node), name)
+
+    async def _pin(self, node: Node, pinned: bool) -> None:
+        """Pin (never evict nor expire) or unpin a file. The kernel has checked that the
+        caller may write the file."""
+        if not node.is_reg or node.tenant == 0:
+            raise FUSEError(errno.EINVAL)
+        await self._io(self.store.set_pin, self._path(node), pinned)
+        node = self.index.get(node.inode)
+        self.index.update(node.inode, pinned=int(pinned))
+        self._policy(node.tenant).pin(node.inode, pinned)
+
+    async def _set_limit(self, node: Node, name: str, value: bytes, ctx: Any) -> None:
+        """Set a tenant's limit: only root (or the mount's owner), never the tenant itself."""
+        if node.inode != node.tenant:
+            raise FUSEError(errno.EINVAL)  # limits live on tenant directories
+        if ctx.uid not in (0, self.owner_uid):
+            raise FUSEError(errno.EPERM)
+        try:
+            parsed = Limits.parse(name, value.decode())
+        except (ValueError, UnicodeDecodeError) as exc:
+            log.warning("refused %s=%r on tenant %s: %s", name, value, node.name, exc)
+            raise FUSEError(errno.EINVAL) from None
+        limits = self.limits.setdefault(node.inode, Limits())
+        text = None if parsed is None else Limits(**{name: parsed}).render(name)
+        await self._io(self.store.write_limit, node.name, name, text)
+        setattr(limits, name, parsed)
+        log.info("tenant %s: %s = %s", node.name.decode(errors="replace"), name, text or "none")
+        if name == "quota" and limits.quota is not None:
+            over = max(0, self.stats.tenant_bytes(node.inode) - limits.quota)
+            if over:
+                await self.evict(over, node.inode)
+        elif name in ("max_idle", "max_age"):
+            await self.expire()
 
     # -- the direct path's control commands --------------------------------------------------
 
@@ -833,15 +1076,27 @@ class Operations(pyfuse3.Operations):
             lambda: {f: self.store.lstat(self._join(dpath, f)) for f in fans
                      if os.path.isdir(self.store.path(self._join(dpath, f)))})
         inspected = await self._io(self._inspect_blocks, rels)
+        fresh = []
+        for h, rel, (hdr, st) in zip(hashes, rels, inspected, strict=True):
+            if st is None or hdr.block_hash != h:
+                log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
+                            hdr if st is None else "header names another block")
+                continue
+            fnode = self.index.lookup(dnode.inode, h[:1].hex().encode())
+            if fnode is None or self.index.lookup(
+                    fnode.inode, hashing.block_filename(h).encode()) is None:
+                fresh.append((h, rel, hdr, st))
+        try:
+            await self._make_room(dnode, sum(st.st_size for _, _, _, st in fresh))
+        except FUSEError:
+            # Nothing is left behind by a write that cannot be placed.
+            await self._io(self.store.unlink_many, [rel for _, rel, _, _ in fresh])
+            raise
         dnode = self.index.get(dnode.inode)
-        refused: list[bytes] = []
         key = self._key(dnode)
+        c = self.stats.by_ns[key]
         with self.index.transaction():
-            for h, rel, (hdr, st) in zip(hashes, rels, inspected, strict=True):
-                if st is None or hdr.block_hash != h:
-                    log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
-                                hdr if st is None else "header names another block")
-                    continue
+            for h, _rel, hdr, st in fresh:
                 fan = h[:1].hex().encode()
                 fnode = self.index.lookup(dnode.inode, fan)
                 if fnode is None:
@@ -850,26 +1105,17 @@ class Operations(pyfuse3.Operations):
                                               uid=fst.st_uid, gid=fst.st_gid,
                                               tenant=dnode.tenant, ns=dnode.ns)
                 fname = hashing.block_filename(h).encode()
-                existing = self.index.lookup(fnode.inode, fname)
-                if existing is not None:
+                if self.index.lookup(fnode.inode, fname) is not None:
                     continue  # content-addressed: publishing twice changes nothing
-                cap = self.info.capacity
-                if cap is not None and self.stats.used_bytes + st.st_size > cap:
-                    refused.append(rel)
-                    continue
                 node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
                                          uid=st.st_uid, gid=st.st_gid, size=st.st_size,
                                          tenant=dnode.tenant, ns=dnode.ns)
                 self.index.update(node.inode, block_hash=hdr.block_hash,
                                   parent_hash=hdr.parent_hash)
+                self._cache_block(node, hdr.parent_hash)
                 self.stats.account(key, 1, st.st_size)
-                c = self.stats.by_ns[key]
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
-        if refused:
-            # Nothing is left behind by a write that cannot be placed.
-            await self._io(lambda: [self.store.unlink(r) for r in refused])
-            raise FUSEError(errno.ENOSPC)
 
     def _access(self, dnode: Node, a: control.Access) -> None:
         c = self.stats.by_ns[self._key(dnode)]
@@ -880,7 +1126,11 @@ class Operations(pyfuse3.Operations):
         c.miss_tokens += a.miss_tokens
         c.direct_read_bytes += a.read_bytes
         if a.hashes:
-            self.index.touch_blocks(dnode.ns, list(a.hashes), time.time_ns())
+            now = time.time_ns()
+            self.index.touch_blocks(dnode.ns, list(a.hashes), now)
+            policy = self._policy(dnode.tenant)
+            for inode in self.index.block_inodes(dnode.ns, list(a.hashes)).values():
+                policy.access(inode, now / 1e9)
 
     def _verify_block(self, rel: bytes) -> str | None:
         """Thread: None if the block file is sound, else what is wrong with it."""

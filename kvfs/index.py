@@ -78,6 +78,9 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- file is never served as a block.
             block_hash  BLOB,
             parent_hash BLOB,
+            -- 1: never evicted nor expired (user.kvfs.pin). Mirrored as trusted.kvfs.pin on
+            -- the backing file, from which fsck restores it.
+            pinned    INTEGER NOT NULL DEFAULT 0,
             UNIQUE (parent, name)
         );
         -- Directory listing in inode order: readdir offsets are inodes, so they stay stable
@@ -114,6 +117,7 @@ class Node:
     writing: int
     block_hash: bytes | None
     parent_hash: bytes | None
+    pinned: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -126,7 +130,7 @@ class Node:
 
 _COLUMNS = (
     "inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, "
-    "tenant, ns, writing, block_hash, parent_hash"
+    "tenant, ns, writing, block_hash, parent_hash, pinned"
 )
 
 
@@ -314,6 +318,41 @@ class Index:
             "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?",
             [(atime_ns, ns, h) for h in hashes],
         )
+
+    def cached_files(self) -> Iterator[tuple[int, int, int, int | None, int]]:
+        """(inode, tenant, size, parent block's inode or None, pinned) of every named regular
+        file, least recently accessed first: what the eviction policies start from."""
+        return self.db.execute(
+            "SELECT n.inode, n.tenant, n.size, p.inode, n.pinned FROM nodes n "
+            "LEFT JOIN nodes p ON p.ns = n.ns AND p.block_hash = n.parent_hash "
+            "AND n.parent_hash IS NOT NULL AND p.parent != ? "
+            "WHERE (n.mode & ?) = ? AND n.parent != ? ORDER BY n.atime_ns",
+            (ORPHAN_PARENT, 0o170000, stat.S_IFREG, ORPHAN_PARENT),
+        )
+
+    def block_inodes(self, ns: int, hashes: list[bytes]) -> dict[bytes, int]:
+        out: dict[bytes, int] = {}
+        for i in range(0, len(hashes), 500):
+            chunk = hashes[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            out.update(self.db.execute(
+                f"SELECT block_hash, inode FROM nodes WHERE ns=? AND block_hash IN ({marks}) "
+                "AND parent != ?", (ns, *chunk, ORPHAN_PARENT)))
+        return out
+
+    def expired(self, tenant: int, idle_before_ns: int, written_before_ns: int,
+                limit: int = 1000) -> list[Node]:
+        """Unpinned files of a tenant idle since, or written before, the given times."""
+        rows = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE tenant=? AND (mode & ?) = ? AND parent != ? "
+            "AND pinned=0 AND (atime_ns < ? OR mtime_ns < ?) ORDER BY atime_ns LIMIT ?",
+            (tenant, 0o170000, stat.S_IFREG, ORPHAN_PARENT, idle_before_ns, written_before_ns,
+             limit),
+        ).fetchall()
+        return [_node(r) for r in rows]
+
+    def tenants(self) -> list[Node]:
+        return self.children(ROOT_INODE, limit=1 << 30)
 
     def writing_nodes(self) -> list[Node]:
         rows = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE writing=1").fetchall()

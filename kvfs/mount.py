@@ -40,6 +40,10 @@ class MountOptions:
     capacity: int | None = None
     debug: bool = False
     io_threads: int = 32
+    policy: str = "lru"
+    high_watermark: float = 0.95
+    low_watermark: float = 0.90
+    scan_interval: float = 60.0
 
 
 def open_state_dir(backing: str) -> tuple[BackingStore, int]:
@@ -103,9 +107,12 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         raise MountError(f"{mountpoint} is already a mount point")
     index, store, lock_fd = prepare(opts)
     info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
-                     capacity=opts.capacity)
+                     capacity=opts.capacity, policy=opts.policy,
+                     high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
+                     scan_interval=opts.scan_interval)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads)
+    ops.load_limits()
     try:
         pyfuse3.init(ops, mountpoint, mount_options(opts.debug))
     except RuntimeError as exc:
@@ -131,6 +138,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                         return
 
             nursery.start_soon(watch_signals)
+            nursery.start_soon(ops.run_background)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 

@@ -31,6 +31,8 @@ class Counters:
     published_blocks: int = 0
     published_bytes: int = 0
     checksum_failures: int = 0
+    evictions: int = 0  # files removed to make room
+    expirations: int = 0  # files removed by retention
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -14,6 +14,9 @@ import logging
 import os
 import time
 
+from .capacity import Limits
+from .config import ConfigError
+
 log = logging.getLogger(__name__)
 
 #: Where the daemon keeps its own state inside the backing root (index, lock, log,
@@ -80,6 +83,14 @@ class BackingStore:
     def unlink(self, rel: bytes) -> None:
         os.unlink(self.path(rel))
 
+    def unlink_many(self, rels: list[bytes]) -> None:
+        """Unlink files the daemon chose to remove; ones already gone are fine."""
+        for rel in rels:
+            try:
+                os.unlink(self.path(rel))
+            except FileNotFoundError:
+                pass
+
     def rmdir(self, rel: bytes) -> None:
         os.rmdir(self.path(rel))
 
@@ -132,6 +143,49 @@ class BackingStore:
         dest = os.path.join(qdir, rel.replace(b"/", b"%") + b".%d" % time.time_ns())
         os.rename(self.path(rel), dest)
         return dest
+
+    # -- trusted.kvfs.* attributes: kvfs's own metadata, beyond the reach of tenants ------
+
+    def read_limits(self, tenant: bytes) -> Limits:
+        limits = Limits()
+        for name in Limits.names():
+            try:
+                value = os.getxattr(self.path(tenant), b"trusted.kvfs." + name.encode())
+            except OSError:
+                continue
+            try:
+                setattr(limits, name, Limits.parse(name, value.decode()))
+            except (ConfigError, UnicodeDecodeError):
+                log.warning("tenant %s: ignoring bad %s %r", tenant.decode(errors="replace"),
+                            name, value)
+        return limits
+
+    def write_limit(self, tenant: bytes, name: str, value: str | None) -> None:
+        key = b"trusted.kvfs." + name.encode()
+        if value is None:
+            try:
+                os.removexattr(self.path(tenant), key)
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+        else:
+            os.setxattr(self.path(tenant), key, value.encode())
+
+    def set_pin(self, rel: bytes, pinned: bool) -> None:
+        if pinned:
+            os.setxattr(self.path(rel), b"trusted.kvfs.pin", b"1")
+        else:
+            try:
+                os.removexattr(self.path(rel), b"trusted.kvfs.pin")
+            except OSError as exc:
+                if exc.errno != errno.ENODATA:
+                    raise
+
+    def is_pinned(self, rel: bytes) -> bool:
+        try:
+            return os.getxattr(self.path(rel), b"trusted.kvfs.pin", follow_symlinks=False) == b"1"
+        except OSError:
+            return False
 
     # -- extended attributes (user.* only; stored on the backing files themselves) -------
 
