@@ -212,10 +212,14 @@ def cmd_status(args: argparse.Namespace) -> int:
     for t in stats.get("tenant_dirs", []):
         if t not in stats["tenants"]:
             rows.append((t, "-", "0", human(0), human(0), human(0)))
+    _table(rows)
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-    return 0
 
 
 # -- tenants -----------------------------------------------------------------------------
@@ -236,17 +240,79 @@ def cmd_tenant_add(args: argparse.Namespace) -> int:
         raise CliError(f"cannot add tenant {args.name}: {exc.strerror}") from None
     print(f"kvfs: tenant {args.name} (uid {args.uid}, gid {args.gid}, mode {args.mode}) "
           f"at {path}")
+    _set_limits(path, args)
+    return 0
+
+
+LIMIT_OPTIONS = (("quota", "quota"), ("max_idle", "max_idle"), ("max_age", "max_age"))
+
+
+def _set_limits(path: str, args: argparse.Namespace) -> None:
+    for attr, name in LIMIT_OPTIONS:
+        value = getattr(args, attr, None)
+        if value is None:
+            continue
+        try:
+            os.setxattr(path, f"user.kvfs.{name}", value.encode())
+        except OSError as exc:
+            hint = " (only root sets limits)" if exc.errno == 1 else ""
+            raise CliError(f"cannot set {name}={value} on {path}: {exc.strerror}{hint}") from None
+        shown = os.getxattr(path, f"user.kvfs.{name}").decode()
+        print(f"kvfs: {os.path.basename(path)}: {name} = {shown}")
+
+
+def cmd_tenant_set(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    read_stats(mountpoint)
+    path = os.path.join(mountpoint, args.name)
+    if not os.path.isdir(path):
+        raise CliError(f"no tenant {args.name} in {mountpoint}")
+    _set_limits(path, args)
     return 0
 
 
 def cmd_tenant_list(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     read_stats(mountpoint)
+    rows = [("TENANT", "UID", "GID", "MODE", "USED", "QUOTA", "MAX_IDLE", "MAX_AGE")]
     for name in sorted(os.listdir(mountpoint)):
         if name == ".kvfs":
             continue
-        st = os.stat(os.path.join(mountpoint, name))
-        print(f"{name}\tuid={st.st_uid}\tgid={st.st_gid}\tmode={st.st_mode & 0o7777:o}")
+        path = os.path.join(mountpoint, name)
+        st = os.stat(path)
+
+        def x(attr: str, p: str = path) -> str:
+            try:
+                return os.getxattr(p, f"user.kvfs.{attr}").decode()
+            except OSError:
+                return "?"
+
+        quota = x("quota")
+        rows.append((name, str(st.st_uid), str(st.st_gid), f"{st.st_mode & 0o7777:o}",
+                     human(int(x("used"))) if x("used").isdigit() else "?",
+                     human(int(quota)) if quota.isdigit() else quota,
+                     x("max_idle"), x("max_age")))
+    _table(rows)
+    return 0
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    value = b"0" if args.unpin else b"1"
+    count = 0
+    for top in args.paths:
+        paths = [top]
+        if os.path.isdir(top):
+            if not args.recursive:
+                raise CliError(f"{top} is a directory (use -r)", EXIT_USAGE)
+            paths = [os.path.join(d, f) for d, _, files in os.walk(top) for f in files]
+        for path in paths:
+            try:
+                os.setxattr(path, "user.kvfs.pin", value)
+            except OSError as exc:
+                raise CliError(f"cannot {'un' if args.unpin else ''}pin {path}: "
+                               f"{exc.strerror}") from None
+            count += 1
+    print(f"kvfs: {'un' if args.unpin else ''}pinned {count} files")
     return 0
 
 
@@ -338,9 +404,25 @@ def build_parser() -> argparse.ArgumentParser:
     ta.add_argument("--gid", type=int, required=True)
     ta.add_argument("--mode", default="0700", help="octal mode (default 0700)")
     ta.set_defaults(func=cmd_tenant_add)
+    ts = tsub.add_parser("set", help="set a tenant's quota and retention")
+    ts.add_argument("mountpoint")
+    ts.add_argument("name")
+    ts.set_defaults(func=cmd_tenant_set)
+    for parser in (ta, ts):
+        parser.add_argument("--quota", help="bytes, e.g. 100G ('none' clears)")
+        parser.add_argument("--max-idle", dest="max_idle",
+                            help="remove files idle this long, e.g. 12h ('none' clears)")
+        parser.add_argument("--max-age", dest="max_age",
+                            help="remove files older than this, e.g. 7d ('none' clears)")
     tl = tsub.add_parser("list", help="list tenants")
     tl.add_argument("mountpoint")
     tl.set_defaults(func=cmd_tenant_list)
+
+    for cmd, unpin in (("pin", False), ("unpin", True)):
+        pp = sub.add_parser(cmd, help=f"{cmd} files: pinned files are never evicted or expired")
+        pp.add_argument("paths", nargs="+")
+        pp.add_argument("-r", "--recursive", action="store_true")
+        pp.set_defaults(func=cmd_pin, unpin=unpin)
 
     f = sub.add_parser("fsck", help="reconcile an unmounted backing directory's index")
     f.add_argument("backing")

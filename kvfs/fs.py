@@ -185,7 +185,7 @@ class Operations(pyfuse3.Operations):
             nursery.start_soon(self._retention_loop)
 
     def _wake_evictor(self) -> None:
-        if self._evict_wanted is not None and self.budget.excess(self.stats.used_bytes):
+        if self._evict_wanted is not None:
             self._evict_wanted.set()
 
     async def _evict_loop(self) -> None:
@@ -295,7 +295,30 @@ class Operations(pyfuse3.Operations):
                     break
                 removed += len(batch)
                 await self._remove_files(batch, "expired")
+                await self._prune({n.parent for n in batch})
         return removed
+
+    async def _prune(self, dirs: set[int]) -> None:
+        """Remove directories that retention emptied, up to and including the model
+        namespace: a namespace nobody uses ages out with its files."""
+        while dirs:
+            parents = set()
+            for inode in dirs:
+                node = self.index.find(inode)
+                if (node is None or not node.is_dir or node.ns == 0 or node.parent == ORPHAN_PARENT
+                        or self.index.has_children(inode)):
+                    continue
+                try:
+                    await self._io(self.store.rmdir, self._path(node))
+                except OSError as exc:
+                    log.debug("not pruning %s: %s", node.name, exc)
+                    continue
+                node = self.index.find(inode)
+                if node is not None and not self.index.has_children(inode):
+                    self._drop(node)
+                    pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
+                    parents.add(node.parent)
+            dirs = parents
 
     async def _make_room(self, node: Node, growth: int) -> None:
         """Before a file of `node`'s tenant grows by `growth` bytes: evict to make it fit,

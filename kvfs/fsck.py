@@ -131,6 +131,8 @@ class Reconciler:
             mtime_ns=st.st_mtime_ns)
         if block:
             self.index.update(node.inode, block_hash=block[0], parent_hash=block[1])
+        if stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel):
+            self.index.update(node.inode, pinned=1)
         self.report.added.append(self._show(rel))
         return node
 

@@ -1,0 +1,151 @@
+"""Capacity, eviction, pins, quotas and retention through a real mount."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+
+from .conftest import kvfs, run_as
+
+K = 1024
+
+
+def wait_for(pred, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.05)
+    return pred()
+
+
+@pytest.fixture
+def small(mount_factory):
+    """A mount of 1 MiB capacity, background eviction from 90 % down to 50 %."""
+    m = mount_factory(extra=["--capacity", "1M", "--high-watermark", "0.9",
+                             "--low-watermark", "0.5", "--scan-interval", "0.2"])
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    (m.mnt / "t" / "ns").mkdir()
+    return m
+
+
+def write(path, size, fill=b"x"):
+    with open(path, "wb") as f:
+        f.write(fill * size)
+
+
+def test_writes_evict_least_recently_used(small):
+    ns = small.mnt / "t" / "ns"
+    for i in range(4):
+        write(ns / f"f{i}", 200 * K)
+    (ns / "f0").read_bytes()  # f0 is now more recent than f1
+    for i in range(4, 10):
+        write(ns / f"f{i}", 200 * K)
+        assert small.stats()["used_bytes"] <= 1 << 20
+    left = set(os.listdir(ns))
+    assert "f9" in left and "f1" not in left
+    assert small.stats()["tenants"]["t"]["ns"]["evictions"] >= 5
+    # The backing directory holds exactly what the mount shows.
+    assert set(os.listdir(small.backing / "t" / "ns")) == left
+
+
+def test_background_eviction_down_to_low_watermark(small):
+    ns = small.mnt / "t" / "ns"
+    for i in range(19):
+        write(ns / f"f{i}", 50 * K)  # 950 KiB: above the high watermark (921.6 KiB)
+    assert wait_for(lambda: small.stats()["used_bytes"] <= 512 * K)
+    assert "f18" in os.listdir(ns)
+
+
+def test_pinned_and_open_files_are_never_evicted(small):
+    ns = small.mnt / "t" / "ns"
+    write(ns / "pinned", 300 * K)
+    kvfs("pin", str(ns / "pinned"))
+    assert os.getxattr(ns / "pinned", "user.kvfs.pin") == b"1"
+    write(ns / "open", 300 * K)
+    with open(ns / "open", "rb") as held:
+        for i in range(10):
+            write(ns / f"f{i}", 150 * K)
+        assert held.read(3) == b"xxx"
+        assert {"pinned", "open"} <= set(os.listdir(ns))
+    # With everything else pinned, a write that cannot fit is refused and leaves nothing.
+    kvfs("pin", "-r", str(ns))
+    with pytest.raises(OSError) as exc:
+        write(ns / "toobig", 600 * K)
+    assert exc.value.errno == errno.ENOSPC
+    assert small.stats()["used_bytes"] <= 1 << 20
+    kvfs("unpin", str(ns / "pinned"))
+    with pytest.raises(OSError):
+        os.getxattr(ns / "pinned", "user.kvfs.pin")
+
+
+def test_pins_survive_remount_and_fsck(small):
+    ns = small.mnt / "t" / "ns"
+    write(ns / "p", 10 * K)
+    kvfs("pin", str(ns / "p"))
+    small.stop()
+    (small.backing / ".kvfs" / "index.db").unlink()  # rebuild the index from the tree
+    small.start()
+    assert os.getxattr(ns / "p", "user.kvfs.pin") == b"1"
+
+
+def test_quota_evicts_own_files_then_edquot(mount_factory):
+    m = mount_factory()
+    kvfs("tenant", "add", str(m.mnt), "a", "--uid", "1000", "--gid", "1000",
+         "--quota", "300K")
+    kvfs("tenant", "add", str(m.mnt), "b", "--uid", "1001", "--gid", "1001")
+    assert os.getxattr(m.mnt / "a", "user.kvfs.quota") == str(300 * K).encode()
+    res = run_as(1001, 1001, ["sh", "-c", f"head -c 400000 /dev/zero > {m.mnt}/b/big"])
+    assert res.returncode == 0, res.stderr
+    script = (f"for i in 1 2 3 4 5; do head -c 100000 /dev/zero > {m.mnt}/a/f$i || exit 1; "
+              "done")
+    res = run_as(1000, 1000, ["sh", "-c", script])
+    assert res.returncode == 0, res.stderr
+    used = int(os.getxattr(m.mnt / "a", "user.kvfs.used"))
+    assert used <= 300 * K
+    assert "f5" in os.listdir(m.mnt / "a") and "f1" not in os.listdir(m.mnt / "a")
+    assert os.path.getsize(m.mnt / "b" / "big") == 400000  # the other tenant is untouched
+    # The tenant cannot raise its own quota.
+    res = run_as(1000, 1000, ["setfattr", "-n", "user.kvfs.quota", "-v", "10G", str(m.mnt / "a")])
+    assert res.returncode != 0
+    assert os.getxattr(m.mnt / "a", "user.kvfs.quota") == str(300 * K).encode()
+    # Nor pin another tenant's files.
+    res = run_as(1000, 1000, ["setfattr", "-n", "user.kvfs.pin", "-v", "1", str(m.mnt / "b/big")])
+    assert res.returncode != 0
+    # All its files pinned: a write past the quota is refused with EDQUOT.
+    res = run_as(1000, 1000, ["sh", "-c", f"setfattr -n user.kvfs.pin -v 1 {m.mnt}/a/f* && "
+                                          f"head -c 200000 /dev/zero > {m.mnt}/a/g"])
+    assert res.returncode != 0 and "quota" in res.stderr.lower()
+    # Lowering the quota evicts down to it at once.
+    for f in os.listdir(m.mnt / "a"):
+        os.removexattr(m.mnt / "a" / f, "user.kvfs.pin")
+    kvfs("tenant", "set", str(m.mnt), "a", "--quota", "100K")
+    assert int(os.getxattr(m.mnt / "a", "user.kvfs.used")) <= 100 * K
+
+
+def test_retention_expires_idle_files_and_namespaces(small):
+    t = small.mnt / "t"
+    (t / "ns" / "ab").mkdir()
+    write(t / "ns" / "ab" / "old", 1 * K)
+    write(t / "ns" / "keep", 1 * K)
+    kvfs("pin", str(t / "ns" / "keep"))
+    (t / "gone" / "cd").mkdir(parents=True)
+    write(t / "gone" / "cd" / "x", 1 * K)
+    kvfs("tenant", "set", str(small.mnt), "t", "--max-idle", "1s")
+    assert os.getxattr(t, "user.kvfs.max_idle") == b"1"
+    assert wait_for(lambda: not (t / "gone").exists(), timeout=15)
+    assert not (t / "ns" / "ab").exists()
+    assert (t / "ns" / "keep").exists()
+    assert not (small.backing / "t" / "gone").exists()
+    assert small.stats()["tenants"]["t"]["ns"]["expirations"] >= 1
+
+
+def test_max_age(small):
+    ns = small.mnt / "t" / "ns"
+    write(ns / "f", K)
+    os.utime(ns / "f", (time.time(), time.time() - 3600))
+    kvfs("tenant", "set", str(small.mnt), "t", "--max-age", "30m")
+    assert wait_for(lambda: not (ns / "f").exists())
