@@ -394,7 +394,8 @@ class Operations(pyfuse3.Operations):
             size, mtime = of.size, of.mtime_ns
         a.st_size = size
         a.st_blksize = BLKSIZE
-        a.st_blocks = 8 if node.is_dir else -(-size // 4096) * 8
+        # Blocks that live only in a lower tier take no local space: du shows the hot tier.
+        a.st_blocks = 8 if node.is_dir else 0 if node.tier else -(-size // 4096) * 8
         a.st_atime_ns = node.atime_ns
         a.st_mtime_ns = mtime
         a.st_ctime_ns = node.ctime_ns
@@ -445,13 +446,11 @@ class Operations(pyfuse3.Operations):
 
     def _drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
-        if node.is_reg:
+        if node.is_reg and not node.tier:
             policy = self.policies.get(node.tenant)
             if policy is not None:
                 policy.remove(node.inode)
-            of = self.open_files.get(node.inode)
-            size = of.size if of is not None and of.dirty else node.size
-            self.stats.account(self._key(node), -1, -size)
+            self.stats.account(self._key(node), -1, -self._size_of(node))
         if node.is_dir:
             self._dir_paths.pop(node.inode, None)
             if node.inode == node.tenant:

@@ -170,13 +170,13 @@ class Reconciler:
                     node = self.add(dnode, name, rel, st)
                     if node is None:
                         continue
-                elif node.is_reg and (node.size != st.st_size or self.verify):
+                elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
                     self.refresh(node, rel, st)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append((node, rel))
             for name, inode in known.items():
                 node = self.index.find(inode)
-                if node is not None:
+                if node is not None and not node.tier:  # lower-tier blocks have no local file
                     self.drop_subtree(node, drel + b"/" + name if drel else name)
 
     def refresh(self, node: Node, rel: bytes, st: os.stat_result) -> None:
@@ -184,8 +184,8 @@ class Reconciler:
         if block is False:
             self.index.delete(node.inode)
             return
-        changed = node.size != st.st_size
-        self.index.update(node.inode, size=st.st_size, mtime_ns=st.st_mtime_ns,
+        changed = node.size != st.st_size or node.tier != 0
+        self.index.update(node.inode, size=st.st_size, mtime_ns=st.st_mtime_ns, tier=0,
                           block_hash=block[0] if block else None,
                           parent_hash=block[1] if block else None)
         if changed:

@@ -81,6 +81,10 @@ def create_tables(db: sqlite3.Connection) -> None:
             -- 1: never evicted nor expired (user.kvfs.pin). Mirrored as trusted.kvfs.pin on
             -- the backing file, from which fsck restores it.
             pinned    INTEGER NOT NULL DEFAULT 0,
+            -- Where the bytes are: 0 (HOT) in the backing directory; k > 0 only in the k-th
+            -- configured lower tier (1 = the first below hot), the backing file gone. Such a
+            -- node is listed with its size but takes no local blocks; opening it promotes it.
+            tier      INTEGER NOT NULL DEFAULT 0,
             UNIQUE (parent, name)
         );
         -- Directory listing in inode order: readdir offsets are inodes, so they stay stable
@@ -118,6 +122,7 @@ class Node:
     block_hash: bytes | None
     parent_hash: bytes | None
     pinned: int = 0
+    tier: int = 0
 
     @property
     def is_dir(self) -> bool:
@@ -130,7 +135,7 @@ class Node:
 
 _COLUMNS = (
     "inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, ctime_ns, target, "
-    "tenant, ns, writing, block_hash, parent_hash, pinned"
+    "tenant, ns, writing, block_hash, parent_hash, pinned, tier"
 )
 
 
@@ -326,7 +331,7 @@ class Index:
             "SELECT n.inode, n.tenant, n.size, p.inode, n.pinned FROM nodes n "
             "LEFT JOIN nodes p ON p.ns = n.ns AND p.block_hash = n.parent_hash "
             "AND n.parent_hash IS NOT NULL AND p.parent != ? "
-            "WHERE (n.mode & ?) = ? AND n.parent != ? ORDER BY n.atime_ns",
+            "WHERE (n.mode & ?) = ? AND n.parent != ? AND n.tier = 0 ORDER BY n.atime_ns",
             (ORPHAN_PARENT, 0o170000, stat.S_IFREG, ORPHAN_PARENT),
         )
 
@@ -345,7 +350,7 @@ class Index:
         """Unpinned files of a tenant idle since, or written before, the given times."""
         rows = self.db.execute(
             f"SELECT {_COLUMNS} FROM nodes WHERE tenant=? AND (mode & ?) = ? AND parent != ? "
-            "AND pinned=0 AND (atime_ns < ? OR mtime_ns < ?) ORDER BY atime_ns LIMIT ?",
+            "AND pinned=0 AND tier=0 AND (atime_ns < ? OR mtime_ns < ?) ORDER BY atime_ns LIMIT ?",
             (tenant, 0o170000, stat.S_IFREG, ORPHAN_PARENT, idle_before_ns, written_before_ns,
              limit),
         ).fetchall()
@@ -364,7 +369,7 @@ class Index:
         """(tenant, ns) -> (regular files, bytes), over nodes that have a name."""
         rows = self.db.execute(
             "SELECT tenant, ns, COUNT(*), COALESCE(SUM(size), 0) FROM nodes "
-            "WHERE (mode & ?) = ? AND parent != ? GROUP BY tenant, ns",
+            "WHERE (mode & ?) = ? AND parent != ? AND tier = 0 GROUP BY tenant, ns",
             (0o170000, stat.S_IFREG, ORPHAN_PARENT),
         ).fetchall()
         return {(t, n): (c, b) for t, n, c, b in rows}
