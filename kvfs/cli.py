@@ -85,6 +85,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
         high_watermark=float(pick("high_watermark", 0.95)),
         low_watermark=float(pick("low_watermark", 0.90)),
         scan_interval=float(pick("scan_interval", 60.0)),
+        cold=pick("cold", None),
+        shared=pick("shared", None),
+        write_through=not args.no_write_through and bool(conf.get("write_through", True)),
+        fetch_timeout=pick("fetch_timeout", None),
     )
     _validate(opts)
     log_file = args.log or conf.get("log")
@@ -104,6 +108,12 @@ def cmd_mount(args: argparse.Namespace) -> int:
         cmd += ["--capacity", str(opts.capacity)]
     cmd += ["--policy", opts.policy, "--high-watermark", str(opts.high_watermark),
             "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval)]
+    for flag, value in (("--cold", opts.cold), ("--shared", opts.shared),
+                        ("--fetch-timeout", opts.fetch_timeout)):
+        if value is not None:
+            cmd += [flag, str(value)]
+    if not opts.write_through:
+        cmd.append("--no-write-through")
     if args.config:
         cmd += ["--config", args.config]
     if opts.debug:
@@ -381,6 +391,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="background eviction frees down to this fraction (0.90)")
     m.add_argument("--scan-interval", type=float, dest="scan_interval",
                    help="seconds between retention scans (60)")
+    m.add_argument("--cold", help="a directory tier below hot: dir:///path")
+    m.add_argument("--shared", help="a shared object-store tier: "
+                   "s3://bucket/prefix?endpoint=URL&region=R")
+    m.add_argument("--no-write-through", action="store_true", dest="no_write_through",
+                   help="publish to the shared tier only on eviction, not on save")
+    m.add_argument("--fetch-timeout", type=float, dest="fetch_timeout",
+                   help="seconds a lower-tier fetch may take before it is a miss "
+                        "(default: derived from the block size)")
     m.add_argument("--debug", action="store_true")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)

@@ -21,6 +21,10 @@ KEYS: dict[str, type] = {
     "high_watermark": float,
     "low_watermark": float,
     "scan_interval": float,
+    "cold": str,
+    "shared": str,
+    "write_through": bool,
+    "fetch_timeout": float,
 }
 
 

@@ -13,6 +13,10 @@ clients split larger batches.
   were hits (their access time drives LRU). Counts a lookup's hits and misses.
 - ``user.kvfs.corrupt``: N x 16-byte hashes of blocks that failed verification on read:
   quarantine them, so that they become misses for everyone.
+- ``user.kvfs.fetch``: N x 16-byte hashes the hot tier lacks: fetch them from the lower
+  tiers (each within its deadline) and place them hot; returns when done.
+- ``user.kvfs.prefetch``: the same, but returns at once (the promotions run in the
+  background), so that a queued request finds its blocks hot when its turn comes.
 
 Queries are plain getxattr: ``user.kvfs.backing`` on any node gives its backing path.
 """
@@ -25,7 +29,9 @@ from dataclasses import dataclass
 PUBLISH = b"user.kvfs.publish"
 ACCESS = b"user.kvfs.access"
 CORRUPT = b"user.kvfs.corrupt"
-COMMANDS = (PUBLISH, ACCESS, CORRUPT)
+FETCH = b"user.kvfs.fetch"
+PREFETCH = b"user.kvfs.prefetch"
+COMMANDS = (PUBLISH, ACCESS, CORRUPT, FETCH, PREFETCH)
 
 HASH_LEN = 16
 XATTR_MAX = 65536

@@ -33,6 +33,7 @@ from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .policy import Policy, policy_by_name
 from .stats import Key, Stats
 from .store import BackingStore
+from .tiering import Tiering
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +136,7 @@ class Operations(pyfuse3.Operations):
         *,
         owner_uid: int = 0,
         io_threads: int = 32,
+        tiering: Tiering | None = None,
     ) -> None:
         super().__init__()
         self.index = index
@@ -154,6 +156,8 @@ class Operations(pyfuse3.Operations):
         self.policies: dict[int, Policy] = {}
         self.evicting: set[int] = set()
         self._evict_wanted: trio.Event | None = None
+        self.tiering = tiering
+        self._nursery: trio.Nursery | None = None
         self._load_policies()
 
     # -- background work ------------------------------------------------------------------
@@ -181,8 +185,11 @@ class Operations(pyfuse3.Operations):
         """The daemon's own tasks: eviction above the high watermark, retention."""
         self._evict_wanted = trio.Event()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._evict_loop)
             nursery.start_soon(self._retention_loop)
+            if self.tiering is not None:
+                nursery.start_soon(self.tiering.run)
 
     def _wake_evictor(self) -> None:
         if self._evict_wanted is not None:
@@ -259,20 +266,38 @@ class Operations(pyfuse3.Operations):
         if not nodes:
             return 0
         self.evicting.update(n.inode for n in nodes)
+        demoted: set[int] = set()
         try:
             paths = [self._path(n) for n in nodes]
+            tiering = self.tiering
+            if reason == "evicted" and tiering is not None and tiering.tiers:
+                # Eviction demotes blocks to the next tier down instead of deleting them.
+                async def demote(node: Node, rel: bytes) -> None:
+                    if await tiering.demote(self._tier_key(rel),
+                                            os.fsdecode(self.store.path(rel))):
+                        demoted.add(node.inode)
+
+                async with trio.open_nursery() as nursery:
+                    for node, rel in zip(nodes, paths, strict=True):
+                        if node.block_hash is not None:
+                            nursery.start_soon(demote, node, rel)
             await self._io(self.store.unlink_many, paths)
         finally:
             self.evicting.difference_update(n.inode for n in nodes)
         freed = 0
         for node in nodes:
             current = self.index.find(node.inode)
-            if current is None or current.parent == ORPHAN_PARENT:
+            if current is None or current.parent == ORPHAN_PARENT or current.tier:
                 continue
             freed += self._size_of(current)
             c = self.stats.by_ns[self._key(current)]
             if reason == "expired":
                 c.expirations += 1
+            elif node.inode in demoted:
+                c.demotions += 1
+                self._unaccount(current)  # out of the hot tier; the name stays
+                self.index.update(current.inode, tier=1)
+                continue
             else:
                 c.evictions += 1
             self._drop(current)
@@ -444,13 +469,17 @@ class Operations(pyfuse3.Operations):
     def _key(self, node: Node) -> Key:
         return (node.tenant, node.ns)
 
-    def _drop(self, node: Node) -> None:
-        """Remove a node from the namespace (after its backing entry is gone)."""
+    def _unaccount(self, node: Node) -> None:
+        """Take a file's hot copy out of the accounting and the eviction policy."""
         if node.is_reg and not node.tier:
             policy = self.policies.get(node.tenant)
             if policy is not None:
                 policy.remove(node.inode)
             self.stats.account(self._key(node), -1, -self._size_of(node))
+
+    def _drop(self, node: Node) -> None:
+        """Remove a node from the namespace (after its backing entry is gone)."""
+        self._unaccount(node)
         if node.is_dir:
             self._dir_paths.pop(node.inode, None)
             if node.inode == node.tenant:
@@ -485,10 +514,81 @@ class Operations(pyfuse3.Operations):
         else:
             found = self.index.lookup(parent_inode, name)
             if found is None:
+                found = await self._lookup_below(parent_inode, name)
+            if found is None:
                 raise FUSEError(errno.ENOENT)
             node = found
         self._ref(node.inode)
         return self._attrs(node)
+
+    async def _lookup_below(self, parent_inode: int, name: bytes) -> Node | None:
+        """A name the hot tier lacks. In a model namespace that is a cache miss (counted);
+        with lower tiers, a block found there is fetched, verified and placed hot, and the
+        fan-out directories it needs appear on demand."""
+        parent = self.index.find(parent_inode)
+        if parent is None or not parent.is_dir or parent.ns == 0:
+            return None
+        if self.tiering is not None:
+            text = name.decode(errors="replace")
+            if parent.inode == parent.ns and len(name) == 2 and all(
+                    c in "0123456789abcdef" for c in text):
+                return await self._fan_dir(parent, name)
+            block_hash = hashing.parse_block_filename(text)
+            if block_hash is not None and parent.name == block_hash[:1].hex().encode():
+                node = await self._fetch_block(parent, name, None)
+                if node is not None:
+                    return node
+        self.stats.by_ns[self._key(parent)].mount_misses += 1
+        return None
+
+    async def _fan_dir(self, ns_node: Node, name: bytes) -> Node:
+        path = self._join(self._path(ns_node), name)
+        mode = stat.S_IMODE(ns_node.mode)
+        try:
+            await self._io(self.store.mkdir, path, mode, ns_node.uid, ns_node.gid)
+        except FileExistsError:
+            pass
+        found = self.index.lookup(ns_node.inode, name)
+        if found is not None:
+            return found
+        return self.index.insert(parent=ns_node.inode, name=name, mode=stat.S_IFDIR | mode,
+                                 uid=ns_node.uid, gid=ns_node.gid, tenant=ns_node.tenant,
+                                 ns=ns_node.ns)
+
+    def _tier_key(self, rel: bytes) -> str:
+        return rel.decode(errors="surrogateescape")
+
+    async def _fetch_block(self, dnode: Node, name: bytes, node: Node | None) -> Node | None:
+        """Fetch block `name` below `dnode` from the lower tiers and place it hot. `node` is
+        its index entry when it is known (in a lower tier), None when it is not."""
+        assert self.tiering is not None
+        rel = self._join(self._path(dnode), name)
+        owner = (dnode.uid, dnode.gid, 0o644)
+        got = await self.tiering.fetch(self._tier_key(rel), os.fsdecode(self.store.path(rel)),
+                                       owner, node.size if node is not None else None)
+        if got is None:
+            return None
+        current = self.index.lookup(dnode.inode, name)
+        if current is not None and not current.tier:
+            return current  # another request placed it meanwhile
+        try:
+            await self._make_room(dnode, got.size)
+        except FUSEError:
+            await self._io(self.store.unlink_many, [rel])
+            return None
+        current = self.index.lookup(dnode.inode, name)
+        if current is None:
+            current = self.index.insert(parent=dnode.inode, name=name,
+                                        mode=stat.S_IFREG | 0o644, uid=dnode.uid,
+                                        gid=dnode.gid, size=got.size, tenant=dnode.tenant,
+                                        ns=dnode.ns)
+        self.index.update(current.inode, tier=0, size=got.size,
+                          block_hash=got.header.block_hash, parent_hash=got.header.parent_hash)
+        current = self.index.get(current.inode)
+        self.stats.account(self._key(current), 1, got.size)
+        self.stats.by_ns[self._key(current)].promotions += 1
+        self._cache_block(current, got.header.parent_hash)
+        return current
 
     @handler
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
@@ -712,6 +812,14 @@ class Operations(pyfuse3.Operations):
         node = self.index.get(inode)
         if not node.is_reg:
             raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
+        if inode in self.evicting:
+            raise FUSEError(errno.ENOENT)  # being evicted: a miss
+        if node.tier:
+            if self.tiering is None or await self._fetch_block(
+                    self.index.get(node.parent), node.name, node) is None:
+                self.stats.by_ns[self._key(node)].mount_misses += 1
+                raise FUSEError(errno.ENOENT)  # the lower tier could not deliver: a miss
+            node = self.index.get(inode)
         accmode = flags & os.O_ACCMODE
         writable = accmode != os.O_RDONLY
         bflags = self._backing_flags(flags)
@@ -734,6 +842,8 @@ class Operations(pyfuse3.Operations):
             of.size, of.mtime_ns = 0, now
         self.index.update(inode, atime_ns=now)
         self._policy(node.tenant).access(inode, now / 1e9)
+        if not writable and node.ns:
+            self.stats.by_ns[self._key(node)].mount_hits += 1
         busy = writable or self.open_files[inode].writers > 0
         return pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=not busy)
 
@@ -840,6 +950,13 @@ class Operations(pyfuse3.Operations):
         if node is not None and inode not in self.open_files:
             self.index.update(inode, block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
             self._cache_block(node, hdr.parent_hash)
+            self._publish_shared(node)
+
+    def _publish_shared(self, node: Node) -> None:
+        """Write-through: queue a complete block for the shared tiers (never waits)."""
+        if self.tiering is not None:
+            rel = self._path(node)
+            self.tiering.enqueue_upload(self._tier_key(rel), os.fsdecode(self.store.path(rel)))
 
     def _cache_block(self, node: Node, parent_hash: bytes) -> None:
         """(Re)enter a complete block into its tenant's policy, linked to its parent."""
@@ -862,7 +979,13 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.ENOENT)
         if node.is_dir:
             raise FUSEError(errno.EISDIR)
-        await self._io(self.store.unlink, self._path(node))
+        rel = self._path(node)
+        if not node.tier:
+            await self._io(self.store.unlink, rel)
+        if node.block_hash is not None and self.tiering is not None and self._nursery:
+            # This host's lower-tier copy goes too; the shared tier's stays (other hosts may
+            # be using it): its bucket's lifecycle rules expire it.
+            self._nursery.start_soon(self.tiering.delete, self._tier_key(rel), False)
         node = self.index.find(node.inode)
         if node is not None and node.parent != ORPHAN_PARENT:
             self._drop(node)
@@ -955,11 +1078,16 @@ class Operations(pyfuse3.Operations):
 
     # -- extended attributes --------------------------------------------------------------
 
+    def _tier_name(self, tier: int) -> str:
+        if tier == 0 or self.tiering is None or tier > len(self.tiering.tiers):
+            return "hot"
+        return self.tiering.tiers[tier - 1].name
+
     LIMIT_XATTRS = {b"user.kvfs." + n.encode(): n for n in Limits.names()}
     PIN = b"user.kvfs.pin"
 
     def _kvfs_xattrs(self, node: Node) -> dict[bytes, bytes]:
-        out = {b"user.kvfs.tier": b"hot"}
+        out = {b"user.kvfs.tier": self._tier_name(node.tier).encode()}
         if node.inode != ROOT_INODE:
             out[b"user.kvfs.backing"] = self.store.path(self._path(node))
         if node.block_hash is not None:
@@ -1070,8 +1198,13 @@ class Operations(pyfuse3.Operations):
                 await self._publish(dnode, control.unpack_hashes(value), ctx)
             elif name == control.ACCESS:
                 self._access(dnode, control.Access.unpack(value))
-            else:
+            elif name == control.CORRUPT:
                 await self._corrupt(dnode, control.unpack_hashes(value))
+            elif name == control.FETCH:
+                await self._fetch_many(dnode, control.unpack_hashes(value))
+            elif self._nursery is not None:
+                self._nursery.start_soon(self._fetch_many, dnode,
+                                         control.unpack_hashes(value))
         except control.ControlError as exc:
             log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
             raise FUSEError(errno.EINVAL) from None
@@ -1135,9 +1268,29 @@ class Operations(pyfuse3.Operations):
                 self.index.update(node.inode, block_hash=hdr.block_hash,
                                   parent_hash=hdr.parent_hash)
                 self._cache_block(node, hdr.parent_hash)
+                self._publish_shared(node)
                 self.stats.account(key, 1, st.st_size)
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
+
+    async def _fetch_many(self, dnode: Node, hashes: list[bytes]) -> None:
+        """Promote the blocks of `dnode` that the hot tier lacks, concurrently."""
+        if self.tiering is None or not self.tiering.tiers:
+            return
+
+        async def one(h: bytes) -> None:
+            fan = await self._fan_dir(self.index.get(dnode.inode), h[:1].hex().encode())
+            name = hashing.block_filename(h).encode()
+            node = self.index.lookup(fan.inode, name)
+            if node is None or node.tier:
+                await self._fetch_block(fan, name, node)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for h in hashes:
+                    nursery.start_soon(one, h)
+        except Exception:
+            log.exception("fetching %d blocks failed", len(hashes))
 
     def _access(self, dnode: Node, a: control.Access) -> None:
         c = self.stats.by_ns[self._key(dnode)]
@@ -1228,6 +1381,7 @@ class Operations(pyfuse3.Operations):
             "files": self.stats.total_files,
             "open_files": len(self.open_files),
             "tenants": self.stats.render(names),
+            "tiers": self.tiering.snapshot() if self.tiering is not None else [],
         }
 
     def _stats_json(self) -> bytes:

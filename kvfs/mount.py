@@ -22,6 +22,8 @@ from . import fsck
 from .fs import MountInfo, Operations
 from .index import Index
 from .store import BackingStore
+from .tiering import Tiering
+from .tiers import parse_tier_url
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,10 @@ class MountOptions:
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     scan_interval: float = 60.0
+    cold: str | None = None  # dir:///path
+    shared: str | None = None  # s3://bucket/prefix?endpoint=...
+    write_through: bool = True
+    fetch_timeout: float | None = None
 
 
 def open_state_dir(backing: str) -> tuple[BackingStore, int]:
@@ -87,6 +93,22 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     return index, store, lock_fd
 
 
+def make_tiering(opts: MountOptions) -> Tiering | None:
+    """The lower tiers, in order: the cold directory, then the shared object store."""
+    tiers = []
+    try:
+        if opts.cold:
+            tiers.append(parse_tier_url(opts.cold, "cold"))
+        if opts.shared:
+            tiers.append(parse_tier_url(opts.shared, "shared"))
+    except (ValueError, ImportError) as exc:
+        raise MountError(str(exc)) from None
+    if not tiers:
+        return None
+    return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
+                   fetch_timeout=opts.fetch_timeout)
+
+
 def mount_options(debug: bool) -> set[str]:
     opts = set(pyfuse3.default_options)
     opts |= {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
@@ -111,7 +133,9 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
                      scan_interval=opts.scan_interval)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
-    ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads)
+    tiering = make_tiering(opts)
+    ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
+                     tiering=tiering)
     ops.load_limits()
     try:
         pyfuse3.init(ops, mountpoint, mount_options(opts.debug))
@@ -154,6 +178,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
         index.set_meta("clean", "1" if not ops.open_files else "0")
         index.close()
+        if tiering is not None:
+            tiering.close()
         os.close(lock_fd)
         log.info("unmounted %s", mountpoint)
     return 0

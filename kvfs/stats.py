@@ -31,6 +31,12 @@ class Counters:
     published_blocks: int = 0
     published_bytes: int = 0
     checksum_failures: int = 0
+    # The mount door: a failed lookup in a model namespace is a miss, an open for reading a
+    # hit (an engine's exists() + open() is its cache lookup).
+    mount_hits: int = 0
+    mount_misses: int = 0
+    promotions: int = 0  # blocks fetched from a lower tier and placed hot
+    demotions: int = 0  # evicted blocks kept in a lower tier
     evictions: int = 0  # files removed to make room
     expirations: int = 0  # files removed by retention
 
