@@ -1,0 +1,738 @@
+"""The kvfs client: save and load the KV blocks of one model through the direct path.
+
+A :class:`KVCache` is one model namespace, ``<mount>/<tenant>/<spec.namespace>``, of a kvfs
+mount. Bulk bytes go straight to the namespace's backing directory (which the daemon names
+in the ``user.kvfs.backing`` xattr): `preadv` / kvikio reads into the caller's tensors, and
+temporary files written with `pwritev` and renamed into place. The daemon hears about it in
+a constant number of control calls per request (``user.kvfs.publish``, ``access``,
+``corrupt``; see :mod:`kvfs.control`), never one per block. Where the backing directory is
+not accessible to this process, the same reads and writes go through the mount (slower; the
+daemon completes blocks renamed into place there itself).
+
+Layouts (``spec`` = the namespace's :class:`~kvfs.hashing.ModelSpec`):
+
+- contiguous: ``kv`` / ``out`` of shape ``[n, num_layers, 2, block_size, num_kv_heads,
+  head_dim]`` in ``spec.kv_dtype``; block i is ``kv[i]``, the payload of its file.
+- paged: ``layers``, one tensor per layer of shape ``[num_pages, 2, block_size,
+  num_kv_heads, head_dim]``, and ``block_ids``: block i is page ``block_ids[i]`` of every
+  layer. Layer l of a block is the contiguous slice at file offset 4096 + l * layer_bytes, so
+  each page is read or written in place, with no copy of the whole context.
+
+Integrity: every loaded block's header is checked (format, block hash, model fingerprint,
+dtype, shape, file size) and, with ``verify="full"`` (the default), its payload checksum.
+``verify="sampled"`` checksums a deterministic one-in-8 sample of blocks (chosen by hash),
+for trusted media. A block that fails is a miss and so is every block after it: `load`
+returns the length of the verified prefix, and the failed block's slice of ``out`` is
+zeroed. A corrupt block is reported to the daemon (which re-verifies and quarantines it). A
+block written for another spec (wrong fingerprint, dtype or shape in its header) is never
+loaded either: it is a miss, logged as an error naming the difference. Raising instead would
+let one stray file fail every request of a namespace, whereas a miss only costs a recompute.
+A namespace whose manifest names another spec, though, is refused at :meth:`KVCache.open`
+with :class:`SpecMismatch`: that is a configuration error, and nothing in it may be
+reinterpreted.
+
+CUDA tensors: a call first waits for the work queued on the caller's current stream (kernels
+still writing ``kv`` or reading ``out``); bytes land through the transport (kvikio, or pinned
+host buffers and the I/O threads' own streams), all synchronized before the call (or the
+handle) returns. Saving copies each block to host memory: its checksum is computed there.
+
+Every method may be called from several threads at once. A layer-wise load keeps the files of
+all its blocks open, so opening a cache raises the process's soft open-file limit (up to
+:data:`FD_LIMIT`, within the hard limit).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import queue
+import resource
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from . import blockfile, control
+from .hashing import ROOT_PARENT, ModelSpec, block_relpath
+from .hashing import block_hashes as _block_hashes
+from .store import TEMP_PREFIX
+from .transport import OpenBlock, PosixTransport, checksum, host_view, preadv_all, pwritev_all
+from .transport import select as select_transport
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+BACKING_XATTR = "user.kvfs.backing"
+#: verify="sampled" checksums the blocks whose hash's last byte is a multiple of this.
+SAMPLE_EVERY = 8
+#: The soft open-file limit a client raises itself to (within the hard limit).
+FD_LIMIT = 65536
+_TEMP = os.fsdecode(TEMP_PREFIX)
+_ZEROS = memoryview(bytes(blockfile.ALIGN))
+_DTYPES = {name: getattr(torch, name) for name in blockfile.DTYPE_SIZES}
+_COUNTERS = (
+    "lookups", "hit_blocks", "miss_blocks",  # lookup()
+    "loaded_blocks", "read_bytes", "needed_bytes", "corrupt_blocks", "mismatched_blocks",
+    "saved_blocks", "present_blocks", "written_bytes", "dropped_saves", "failed_saves",
+    "control_calls",  # setxattr calls on the namespace directory
+)
+
+
+class SpecMismatch(ValueError):
+    """A namespace's manifest was written for another model spec."""
+
+
+class CacheFull(OSError):
+    """The daemon refused blocks: the hot tier (or the tenant's quota) is full."""
+
+
+@dataclass
+class _Outcome:
+    """What reading one block gave."""
+
+    read: int = 0  # bytes read from its file
+    ok: bool = False
+    error: Exception | None = None  # why it is not loaded, where that is more than "absent"
+
+
+@dataclass
+class _Opened:
+    """A block file opened, and its header checked, for a layer-wise load."""
+
+    file: OpenBlock | None
+    header: blockfile.BlockHeader | None
+    outcome: _Outcome
+
+
+class _Prefix:
+    """The first failed block of a load, shared by its reader threads."""
+
+    def __init__(self, n: int) -> None:
+        self.end = n
+        self._lock = threading.Lock()
+
+    def fail(self, i: int) -> None:
+        with self._lock:
+            self.end = min(self.end, i)
+
+    def beyond(self, i: int) -> bool:
+        return i > self.end
+
+
+class LoadHandle:
+    """A load in flight (:meth:`KVCache.load_async`).
+
+    :meth:`wait_layer` returns once layer ``l`` of every block has landed, with the number of
+    leading blocks that have it: their headers were verified (right block, right model), but
+    their payload checksums are checked only once every layer is in, so a model may compute
+    layer ``l`` early but must take :meth:`wait`'s count as the truth before it uses the
+    result (a block past that count is a miss, and its slice of ``out`` is zeroed).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self._layer = [threading.Event() for _ in range(num_layers)]
+        self._layer_n = [0] * num_layers
+        self._done = threading.Event()
+        self._n = 0
+        self._error: BaseException | None = None
+
+    def _layer_ready(self, layer: int, n: int) -> None:
+        self._layer_n[layer] = n
+        self._layer[layer].set()
+
+    def _finish(self, n: int, error: BaseException | None = None) -> None:
+        self._n, self._error = n, error
+        for layer, ev in enumerate(self._layer):
+            if not ev.is_set():
+                self._layer_ready(layer, 0)
+        self._done.set()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> int:
+        if not self._layer[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not loaded after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._layer_n[layer]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The number of leading blocks loaded and verified."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._n
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class KVCache:
+    """The blocks of one model namespace of a kvfs mount. Use :meth:`open`."""
+
+    def __init__(
+        self,
+        ns_dir: str,
+        data_dir: str,
+        spec: ModelSpec,
+        *,
+        direct: bool,
+        io: str | None = None,
+        threads: int | None = None,
+        verify: str = "full",
+        fsync: bool = False,
+        max_pending_saves: int = 8,
+    ) -> None:
+        if verify not in ("full", "sampled"):
+            raise ValueError(f"verify must be 'full' or 'sampled', got {verify!r}")
+        threads = threads or min(32, 4 * (os.cpu_count() or 1))
+        self.ns_dir, self.data_dir, self.spec, self.direct = ns_dir, data_dir, spec, direct
+        self.verify, self.fsync = verify, fsync
+        self.transport: PosixTransport = select_transport(io, spec.block_payload_bytes, threads)
+        self._dtype = _DTYPES[spec.kv_dtype]
+        self._layer_bytes = spec.block_payload_bytes // spec.num_layers
+        self._file_bytes = blockfile.HEADER_SIZE + spec.block_payload_bytes
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
+        self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
+        self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._save_slots = threading.BoundedSemaphore(max_pending_saves)
+        self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._closed = False
+        _raise_fd_limit()
+
+    # -- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, mount: str | os.PathLike[str], *, tenant: str, spec: ModelSpec,
+             direct: bool | None = None, **options: Any) -> KVCache:
+        """Open (making it if absent) ``spec``'s namespace of ``tenant`` in a kvfs mount.
+
+        ``direct``: None uses the backing directory where this process may (else the mount);
+        True insists on it; False always goes through the mount. ``options``: ``io``
+        ("posix" / "kvikio"; default $KVFS_IO, else automatic), ``threads`` (I/O pool size,
+        default min(32, 4 * cpus)), ``verify`` ("full" / "sampled"), ``fsync`` (fsync each
+        block before renaming it into place; default off), ``max_pending_saves`` (the
+        :meth:`save_async` queue bound, default 8).
+        """
+        mount = os.fspath(mount)
+        tenant_dir = os.path.join(mount, tenant)
+        ns_dir = os.path.join(tenant_dir, spec.namespace)
+        try:
+            os.mkdir(ns_dir)  # through the mount: the daemon indexes it
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"no tenant {tenant!r} in {mount} (see: kvfs tenant add)",
+                tenant_dir) from None
+        except PermissionError:
+            raise PermissionError(
+                errno.EACCES, f"this process (uid {os.getuid()}) may not use tenant {tenant!r}",
+                tenant_dir) from None
+        _check_manifest(ns_dir, spec)
+        try:
+            backing = os.fsdecode(os.getxattr(ns_dir, BACKING_XATTR))
+        except OSError as exc:
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+                raise ValueError(f"{mount} is not a kvfs mount (no {BACKING_XATTR})") from None
+            raise
+        usable = os.access(backing, os.R_OK | os.W_OK | os.X_OK)
+        if direct and not usable:
+            raise PermissionError(errno.EACCES, "backing directory not accessible", backing)
+        direct = usable if direct is None else direct
+        if not direct:
+            log.warning("%s: blocks are read and written through the mount, not the backing "
+                        "directory %s (slower)", ns_dir, backing)
+        return cls(ns_dir, backing if direct else ns_dir, spec, direct=direct, **options)
+
+    def close(self) -> None:
+        """Finish queued saves, then stop the I/O threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None:
+            self._saves.put(None)
+            self._writer.join()
+        self._loads.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "direct" if self.direct else "through the mount"
+        return f"KVCache({self.ns_dir!r}, {mode}, io={self.transport.name})"
+
+    # -- counters and control ------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters of this client; ``fetch_amplification`` = bytes read / bytes of the
+        blocks loaded (1.0: every block read exactly once; None before any load)."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+        out["fetch_amplification"] = (out["read_bytes"] / out["needed_bytes"]
+                                      if out["needed_bytes"] else None)
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    def _control(self, name: bytes, value: bytes) -> None:
+        self._count(control_calls=1)
+        os.setxattr(self.ns_dir, name, value)
+
+    def _report(self, name: bytes, value: bytes) -> None:
+        """A control call whose failure must not fail the request (accounting, reports)."""
+        try:
+            self._control(name, value)
+        except OSError as exc:
+            log.warning("%s on %s failed: %s", name.decode(), self.ns_dir, exc)
+
+    def _access(self, hashes: Sequence[bytes], **counts: int) -> None:
+        """One access record (more only past control.MAX_HASHES hit blocks)."""
+        m = control.MAX_HASHES
+        self._report(control.ACCESS, control.Access(hashes=tuple(hashes[:m]), **counts).pack())
+        for i in range(m, len(hashes), m):
+            self._report(control.ACCESS,
+                         control.Access(lookups=0, hashes=tuple(hashes[i:i + m])).pack())
+
+    # -- names ---------------------------------------------------------------------------
+
+    def block_hashes(self, token_ids: Any, *, parent: bytes | None = None,
+                     extra: bytes | str | None = None) -> list[bytes]:
+        """Hashes of the full blocks of ``token_ids`` (:func:`kvfs.hashing.block_hashes`)."""
+        return _block_hashes(token_ids, self.spec.block_size, parent=parent, extra=extra)
+
+    def path(self, h: bytes) -> str:
+        """Where block ``h`` is read and written (backing directory, or the mount)."""
+        return os.path.join(self.data_dir, block_relpath(h))
+
+    # -- lookup and prefetch -------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes]) -> int:
+        """The length, in blocks, of the longest prefix of ``hashes`` that is cached."""
+        n = 0
+        for h in hashes:
+            if not os.path.exists(self.path(h)):
+                break
+            n += 1
+        miss, bs = len(hashes) - n, self.spec.block_size
+        self._access(hashes[:n], lookups=1, hit_blocks=n, miss_blocks=miss,
+                     hit_tokens=n * bs, miss_tokens=miss * bs)
+        self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
+        return n
+
+    def prefetch(self, hashes: Sequence[bytes]) -> Future[int]:
+        """Start warming the page cache with the cached prefix of ``hashes`` (for a queued
+        request); the future gives the number of blocks asked for."""
+        return self._pool.submit(self._prefetch, list(hashes))
+
+    def _prefetch(self, hashes: list[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            try:
+                fd = os.open(self.path(h), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                break
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+            n += 1
+        return n
+
+    # -- tensor layouts ------------------------------------------------------------------
+
+    def _check_tensor(self, t: torch.Tensor, what: str, shape: tuple[int, ...]) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != self._dtype:
+            raise ValueError(f"{what} has dtype {t.dtype}, the spec says {self.spec.kv_dtype}")
+        if tuple(t.shape[1:]) != shape:
+            raise ValueError(f"{what} has shape {tuple(t.shape)}, expected [N, *{shape}]")
+        if not t.is_contiguous():
+            raise ValueError(f"{what} must be contiguous")
+
+    def _blocks(self, t: torch.Tensor, n: int, what: str) -> torch.Tensor:
+        """Bytes of contiguous-layout blocks: uint8 ``[N, num_layers, layer_bytes]``."""
+        self._check_tensor(t, what, self.spec.block_shape)
+        if t.shape[0] < n:
+            raise ValueError(f"{what} holds {t.shape[0]} blocks, {n} hashes were given")
+        return t.view(torch.uint8).reshape(t.shape[0], self.spec.num_layers, -1)
+
+    def _pages(self, layers: Sequence[torch.Tensor], block_ids: Sequence[int], n: int
+               ) -> Callable[[int], list[torch.Tensor]]:
+        """Block i -> its per-layer page bytes, in file order."""
+        if len(layers) != self.spec.num_layers:
+            raise ValueError(f"{len(layers)} layers given, the spec has {self.spec.num_layers}")
+        if len(block_ids) < n:
+            raise ValueError(f"{len(block_ids)} block ids for {n} hashes")
+        pages = []
+        for layer, t in enumerate(layers):
+            self._check_tensor(t, f"layers[{layer}]", self.spec.block_shape[1:])
+            pages.append(t.view(torch.uint8).reshape(t.shape[0], -1))
+        ids = [int(b) for b in block_ids]
+        for b in ids[:n]:
+            if not 0 <= b < pages[0].shape[0]:
+                raise IndexError(f"block id {b} outside the {pages[0].shape[0]} pages")
+        return lambda i: [p[ids[i]] for p in pages]
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
+             parent: bytes | None = None) -> int:
+        """Store blocks ``kv[i]`` as ``hashes[i]``; returns how many were new.
+
+        ``parent`` is the hash before ``hashes[0]`` (a chain continued from elsewhere).
+        Raises :class:`CacheFull` if the daemon refuses blocks for want of space.
+        """
+        blocks = self._blocks(kv, len(hashes), "kv")
+        _stream_done(kv)
+        return self._save(list(hashes), lambda i: [blocks[i].reshape(-1)], parent)
+
+    def save_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
+                   block_ids: Sequence[int], *, parent: bytes | None = None) -> int:
+        """Store page ``block_ids[i]`` of every layer as block ``hashes[i]``."""
+        pages = self._pages(layers, block_ids, len(hashes))
+        _stream_done(layers[0])
+        return self._save(list(hashes), pages, parent)
+
+    def _save(self, hashes: list[bytes], parts_of: Callable[[int], list[torch.Tensor]],
+              parent: bytes | None) -> int:
+        parents = [ROOT_PARENT if parent is None else bytes(parent), *hashes[:-1]]
+        todo = [i for i, h in enumerate(hashes) if not os.path.exists(self.path(h))]
+        futures = [(i, self._pool.submit(self._write_block, hashes[i], parents[i], parts_of(i)))
+                   for i in todo]
+        written: list[bytes] = []
+        errors: list[BaseException] = []
+        size = 0
+        for i, fut in futures:
+            try:
+                size += fut.result()
+                written.append(hashes[i])
+            except Exception as exc:  # noqa: BLE001 - publish what was written, then raise
+                errors.append(exc)
+        self._count(saved_blocks=len(written), present_blocks=len(hashes) - len(todo),
+                    written_bytes=size)
+        if self.direct:
+            m = control.MAX_HASHES
+            for k in range(0, len(written), m):
+                batch = written[k:k + m]
+                try:
+                    self._control(control.PUBLISH, control.pack_hashes(batch))
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                        raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
+                                        "(the refused files were removed)", self.ns_dir) from None
+                    raise
+        if errors:
+            raise errors[0]
+        return len(written)
+
+    def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor]) -> int:
+        """Write one block file under a temporary name and rename it into place."""
+        host = [p if p.device.type == "cpu" else p.to("cpu") for p in parts]
+        views = [host_view(p) for p in host]
+        plen = sum(v.nbytes for v in views)
+        s = self.spec
+        head = blockfile.encode_header(blockfile.BlockHeader(
+            block_hash=h, parent_hash=parent, fingerprint=s.fingerprint,
+            token_count=s.block_size, dtype=s.kv_dtype, shape=s.block_shape,
+            payload_len=plen, checksum=checksum(views)))
+        pad = _ZEROS[:blockfile.padded_size(plen) - plen]
+        final = self.path(h)
+        fan = os.path.dirname(final)
+        os.makedirs(fan, exist_ok=True)
+        tmp = os.path.join(fan, f"{_TEMP}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                pwritev_all(fd, [memoryview(head), *views, pad], 0)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return len(head) + plen + len(pad)
+
+    def save_async(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
+                   parent: bytes | None = None) -> bool:
+        """Queue a save and return at once; False if the queue was full and it was dropped.
+
+        A CUDA ``kv`` is copied to pinned host memory here (asynchronously, on the current
+        stream); a CPU ``kv`` is written from where it is and must not change until
+        :meth:`flush`.
+        """
+        self._blocks(kv, len(hashes), "kv")
+        if self._closed:
+            raise RuntimeError("KVCache is closed")
+        if not self._save_slots.acquire(blocking=False):
+            self._count(dropped_saves=1)
+            log.debug("save queue full: dropped a save of %d blocks", len(hashes))
+            return False
+        event = None
+        if kv.device.type == "cuda":
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            kv = host
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, daemon=True,
+                                                name="kvfs-save")
+                self._writer.start()
+        self._saves.put((list(hashes), kv, parent, event))
+        return True
+
+    def _write_queued(self) -> None:
+        while (item := self._saves.get()) is not None:
+            hashes, kv, parent, event = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                self.save(hashes, kv, parent=parent)
+            except Exception as exc:  # noqa: BLE001 - a lost save is a later miss, never fatal
+                self._count(failed_saves=1)
+                log.warning("queued save of %d blocks failed: %s", len(hashes), exc)
+            finally:
+                self._save_slots.release()
+                self._saves.task_done()
+        self._saves.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued save is written and published."""
+        self._saves.join()
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load(self, hashes: Sequence[bytes], out: torch.Tensor) -> int:
+        """Read blocks into ``out[i]``; returns the number of leading blocks loaded."""
+        blocks = self._blocks(out, len(hashes), "out")
+        _stream_done(out)
+        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)])
+
+    def load_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
+                   block_ids: Sequence[int]) -> int:
+        """Read block ``hashes[i]`` into page ``block_ids[i]`` of every layer."""
+        pages = self._pages(layers, block_ids, len(hashes))
+        _stream_done(layers[0])
+        return self._load(list(hashes), pages)
+
+    def load_async(self, hashes: Sequence[bytes], out: torch.Tensor) -> LoadHandle:
+        """Start a layer-wise load into ``out`` and return at once (see :class:`LoadHandle`).
+
+        Reads are issued layer-major (layer 0 of every block first), one per block and layer.
+        """
+        blocks = self._blocks(out, len(hashes), "out")
+        handle = LoadHandle(self.spec.num_layers)
+        ready = None
+        if out.device.type == "cuda":  # what the caller's stream still does with `out`
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(out.device))
+
+        def run() -> None:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                handle._finish(self._load_layerwise(list(hashes), blocks, handle))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                handle._finish(0, exc)
+
+        self._loads.submit(run)
+        return handle
+
+    def _load(self, hashes: list[bytes], dests_of: Callable[[int], list[torch.Tensor]]) -> int:
+        prefix = _Prefix(len(hashes))
+        futures = [self._pool.submit(self._read_block, i, h, dests_of(i), prefix)
+                   for i, h in enumerate(hashes)]
+        return self._finish_load(hashes, [f.result() for f in futures], dests_of)
+
+    def _read_block(self, i: int, h: bytes, dests: list[torch.Tensor], prefix: _Prefix
+                    ) -> _Outcome:
+        """Header and payload in one read, straight into ``dests``; then verify."""
+        if prefix.beyond(i):
+            return _Outcome()
+        out = _Outcome()
+        header = bytearray(blockfile.HEADER_SIZE)
+        try:
+            f = self.transport.open(self.path(h))
+            try:
+                out.read, csum = self.transport.read(f, 0, dests, header,
+                                                     want_checksum=self._checksummed(h))
+                size = self.transport.size(f)
+            finally:
+                self.transport.close(f)
+            hdr = self._verify_header(h, header, size)
+            if out.read < blockfile.HEADER_SIZE + hdr.payload_len:
+                raise blockfile.BlockFormatError("short", f"read {out.read} bytes")
+            if csum is not None and csum != hdr.checksum:
+                raise blockfile.BlockFormatError(
+                    "checksum", f"payload checksum {csum:#018x}, header says {hdr.checksum:#018x}")
+            out.ok = True
+        except FileNotFoundError:
+            prefix.fail(i)
+        except (OSError, blockfile.BlockFormatError) as exc:
+            prefix.fail(i)
+            out.error = exc
+        return out
+
+    def _checksummed(self, h: bytes) -> bool:
+        return self.verify == "full" or h[-1] % SAMPLE_EVERY == 0
+
+    def _verify_header(self, h: bytes, header: bytearray, size: int) -> blockfile.BlockHeader:
+        s = self.spec
+        hdr = blockfile.decode_header(header)
+        blockfile.check(hdr, block_hash=h, fingerprint=s.fingerprint, dtype=s.kv_dtype,
+                        shape=s.block_shape)
+        blockfile.verify_file_size(hdr, size)
+        return hdr
+
+    def _open_verified(self, i: int, h: bytes, prefix: _Prefix) -> _Opened:
+        """Open block i and check its header: the first step of a layer-wise load."""
+        out = _Outcome()
+        try:
+            f = self.transport.open(self.path(h))
+        except OSError as exc:
+            prefix.fail(i)
+            out.error = None if isinstance(exc, FileNotFoundError) else exc
+            return _Opened(None, None, out)
+        try:
+            header = bytearray(blockfile.HEADER_SIZE)
+            out.read = preadv_all(f.fd, [memoryview(header)], 0)
+            hdr = self._verify_header(h, header, self.transport.size(f))
+        except (OSError, blockfile.BlockFormatError) as exc:
+            self.transport.close(f)
+            prefix.fail(i)
+            out.error = exc
+            return _Opened(None, None, out)
+        return _Opened(f, hdr, out)
+
+    def _load_layerwise(self, hashes: list[bytes], blocks: torch.Tensor,
+                        handle: LoadHandle) -> int:
+        prefix = _Prefix(len(hashes))
+        opened = [f.result() for f in [self._pool.submit(self._open_verified, i, h, prefix)
+                                       for i, h in enumerate(hashes)]]
+        outcomes = [o.outcome for o in opened]
+        n = next((i for i, o in enumerate(opened) if o.file is None), len(opened))
+        try:
+            lb = self._layer_bytes
+            reads = [[self._pool.submit(self.transport.read, opened[i].file,
+                                        blockfile.HEADER_SIZE + layer * lb, [blocks[i, layer]])
+                      for i in range(n)] for layer in range(self.spec.num_layers)]
+            for layer, futures in enumerate(reads):
+                for i, fut in enumerate(futures):
+                    try:
+                        got, _ = fut.result()
+                        outcomes[i].read += got
+                        if got < lb:
+                            raise blockfile.BlockFormatError("short", f"layer {layer} is short")
+                    except (OSError, blockfile.BlockFormatError) as exc:
+                        if outcomes[i].error is None:
+                            outcomes[i].error = exc
+                        n = min(n, i)
+                handle._layer_ready(layer, n)
+            checks = [(i, self._pool.submit(self.transport.checksum, [blocks[i].reshape(-1)]))
+                      for i in range(n) if self._checksummed(hashes[i])]
+            sums = {i: fut.result() for i, fut in checks}
+            for i in range(n):
+                want = opened[i].header.checksum  # type: ignore[union-attr]
+                if i in sums and sums[i] != want:
+                    outcomes[i].error = blockfile.BlockFormatError(
+                        "checksum", f"payload checksum {sums[i]:#018x}, header says {want:#018x}")
+                    break
+                outcomes[i].ok = True
+        finally:
+            for o in opened:
+                if o.file is not None:
+                    self.transport.close(o.file)
+        return self._finish_load(hashes, outcomes, lambda i: [blocks[i].reshape(-1)])
+
+    def _finish_load(self, hashes: list[bytes], outcomes: list[_Outcome],
+                     dests_of: Callable[[int], list[torch.Tensor]]) -> int:
+        """Zero what failed, report corrupt blocks, account: one control call (two with a
+        corrupt block) whatever the number of blocks."""
+        n = next((i for i, o in enumerate(outcomes) if not o.ok), len(outcomes))
+        corrupt, mismatched = [], 0
+        for i, o in enumerate(outcomes):
+            if o.ok or o.error is None:
+                continue  # loaded, or absent (bytes past the prefix are valid or unread)
+            for d in dests_of(i) if o.read else ():
+                d.zero_()
+                _stream_done(d)
+            if isinstance(o.error, blockfile.BlockMismatchError):
+                mismatched += 1
+                log.error("block %s in %s was written for another model or layout (%s): "
+                          "treated as a miss", hashes[i].hex(), self.ns_dir, o.error)
+            elif isinstance(o.error, blockfile.BlockFormatError):
+                corrupt.append(hashes[i])
+                log.warning("block %s in %s is corrupt (%s): treated as a miss, reported",
+                            hashes[i].hex(), self.ns_dir, o.error)
+            elif o.error is not None:
+                log.warning("block %s in %s could not be read: %s", hashes[i].hex(),
+                            self.ns_dir, o.error)
+        m = control.MAX_HASHES
+        for k in range(0, len(corrupt), m):
+            self._report(control.CORRUPT, control.pack_hashes(corrupt[k:k + m]))
+        read = sum(o.read for o in outcomes)
+        self._access(hashes[:n], lookups=0, read_bytes=read)
+        self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
+                    corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)
+        return n
+
+
+def _stream_done(t: torch.Tensor) -> None:
+    """Wait for the work queued on this thread's stream of ``t``'s CUDA device (the caller's
+    kernels still writing ``kv`` or reading ``out``; a zeroing of ours). A no-op on the CPU."""
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
+
+
+def _raise_fd_limit() -> None:
+    """A layer-wise load keeps every block of a request open: allow many open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        log.debug("raised the open-file limit from %d to %d", soft, want)
+
+
+def _check_manifest(ns_dir: str, spec: ModelSpec) -> None:
+    """Write the namespace's manifest if it has none; refuse one for another spec."""
+    path = os.path.join(ns_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        tmp = os.path.join(ns_dir, f"{_TEMP}{MANIFEST}.{os.getpid()}.{os.urandom(4).hex()}")
+        with open(tmp, "xb") as f:
+            f.write(spec.manifest_json())
+        os.rename(tmp, path)  # atomic: a concurrent opener reads all of it or none
+        return
+    try:
+        found = ModelSpec.from_manifest(data)
+    except (ValueError, TypeError) as exc:
+        raise SpecMismatch(f"{path} is not a valid manifest ({exc}); refusing to use "
+                           f"this namespace") from None
+    if found.fingerprint != spec.fingerprint:
+        raise SpecMismatch(
+            f"{path} is for fingerprint {found.fingerprint.hex()} ({found.model} "
+            f"{found.revision} {found.kv_dtype}), not {spec.fingerprint.hex()} "
+            f"({spec.model} {spec.revision} {spec.kv_dtype}): its blocks are not this model's")

@@ -1,0 +1,317 @@
+"""How the client moves block bytes between backing files and tensors.
+
+A transport reads byte ranges of an open block file into *destinations*: 1-D uint8 tensors
+(views of the caller's KV memory) that lie back to back in the file. Two transports:
+
+- :class:`PosixTransport`: `os.preadv` straight into host tensors, called from the client's
+  thread pool. For a CUDA destination it reads into a pinned host staging buffer, then copies
+  to the device (`copy_(non_blocking=True)` on a per-thread stream, synchronized before the
+  buffer is reused). The pinned buffers (one block each, up to one per I/O thread) are made
+  on first use; pinning memory is slow on some hosts, so the first CUDA load pays for it.
+- :class:`KvikioTransport`: kvikio's `CuFile.pread` straight into CUDA tensors (GPUDirect
+  Storage where cuFile supports the backing filesystem, kvikio's POSIX compatibility mode
+  elsewhere). Host destinations go through the POSIX path.
+
+Writes always go from host memory (the header's checksum needs the bytes on the host
+anyway), with :func:`pwritev_all`. Selection (:func:`select`) is automatic; the environment
+variable ``KVFS_IO=posix|kvikio`` forces one. Nothing here imports kvikio until it is chosen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from . import blockfile
+
+log = logging.getLogger(__name__)
+
+#: kvikio settings: its thread pool splits each read into tasks of this size.
+KVIKIO_THREADS = 16
+KVIKIO_TASK_SIZE = 1 << 20
+
+
+def host_view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's memory (no copy, no numpy)."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError("host_view needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+def checksum(views: list[memoryview]) -> int:
+    """The payload checksum (:func:`kvfs.blockfile.payload_checksum`) of bytes given in pieces."""
+    if len(views) == 1:
+        return blockfile.payload_checksum(views[0])
+    x = xxhash.xxh3_64()  # streaming: the same digest as over the concatenation
+    for v in views:
+        x.update(v)
+    return x.intdigest()
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of an iovec list after `n` bytes were transferred."""
+    out = []
+    for b in bufs:
+        if n >= b.nbytes:
+            n -= b.nbytes
+            continue
+        out.append(b[n:])
+        n = 0
+    return out
+
+
+def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """`os.preadv` until every buffer is full or the file ends; returns the bytes read."""
+    total = 0
+    while bufs:
+        n = os.preadv(fd, bufs, offset + total)
+        if n == 0:
+            break
+        total += n
+        bufs = _advance(bufs, n)
+    return total
+
+
+def pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
+    """`os.pwritev` until every buffer is written."""
+    bufs = [b for b in bufs if b.nbytes]
+    total = 0
+    while bufs:
+        n = os.pwritev(fd, bufs, offset + total)
+        total += n
+        bufs = _advance(bufs, n)
+
+
+@dataclass
+class OpenBlock:
+    """A block file open for reading."""
+
+    fd: int
+    cufile: Any = None  # kvikio.CuFile, opened on first use for a CUDA destination
+
+
+class _PinnedPool:
+    """Pinned host buffers of a fixed size, created on demand up to `count`."""
+
+    def __init__(self, nbytes: int, count: int) -> None:
+        self.nbytes, self.count = nbytes, count
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._made = 0
+        self._lock = threading.Lock()
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.nbytes:
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        with self._lock:
+            make = self._made < self.count and self._free.empty()
+            self._made += make
+        if make:
+            return torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
+        return self._free.get()
+
+    def put(self, buf: torch.Tensor) -> None:
+        if buf.numel() == self.nbytes:
+            self._free.put(buf)
+
+
+class PosixTransport:
+    """Threaded preadv into host memory; pinned staging for CUDA destinations."""
+
+    name = "posix"
+
+    def __init__(self, staging_bytes: int, staging_buffers: int) -> None:
+        self._pinned = _PinnedPool(staging_bytes, staging_buffers)
+        self._local = threading.local()
+
+    def open(self, path: str) -> OpenBlock:
+        return OpenBlock(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
+
+    def close(self, f: OpenBlock) -> None:
+        if f.cufile is not None:
+            f.cufile.close()
+        os.close(f.fd)
+
+    def size(self, f: OpenBlock) -> int:
+        return os.fstat(f.fd).st_size
+
+    def read(self, f: OpenBlock, offset: int, dests: list[torch.Tensor],
+             header: bytearray | None = None, want_checksum: bool = False
+             ) -> tuple[int, int | None]:
+        """Read `header` (if given) then `dests`, back to back from `offset`.
+
+        Returns the bytes read (less than asked at the end of the file) and, if asked, the
+        checksum of the bytes that went into `dests`.
+        """
+        if dests[0].device.type == "cuda":
+            return self._read_staged(f, offset, dests, header, want_checksum)
+        views = [host_view(d) for d in dests]
+        head = [memoryview(header)] if header is not None else []
+        n = preadv_all(f.fd, head + views, offset)
+        return n, checksum(views) if want_checksum else None
+
+    def checksum(self, dests: list[torch.Tensor]) -> int:
+        """Checksum of `dests` (a host copy first where they are on a CUDA device)."""
+        if dests[0].device.type != "cuda":
+            return checksum([host_view(d) for d in dests])
+        total = sum(d.numel() for d in dests)
+        buf = self._pinned.get(total)
+        try:
+            with self._on_stream(dests[0].device) as stream:
+                off = 0
+                for d in dests:
+                    buf[off:off + d.numel()].copy_(d, non_blocking=True)
+                    off += d.numel()
+                stream.synchronize()
+            return checksum([host_view(buf[:total])])
+        finally:
+            self._pinned.put(buf)
+
+    def _read_staged(self, f: OpenBlock, offset: int, dests: list[torch.Tensor],
+                     header: bytearray | None, want_checksum: bool) -> tuple[int, int | None]:
+        total = sum(d.numel() for d in dests)
+        buf = self._pinned.get(total)
+        try:
+            head = [memoryview(header)] if header is not None else []
+            n = preadv_all(f.fd, [*head, host_view(buf[:total])], offset)
+            with self._on_stream(dests[0].device) as stream:
+                off = 0
+                for d in dests:
+                    d.copy_(buf[off:off + d.numel()], non_blocking=True)
+                    off += d.numel()
+                csum = checksum([host_view(buf[:total])]) if want_checksum else None
+                stream.synchronize()
+            return n, csum
+        finally:
+            self._pinned.put(buf)
+
+    @contextlib.contextmanager
+    def _on_stream(self, device: torch.device) -> Iterator[Any]:
+        """This thread's own copy stream on `device`, made current for the `with` block."""
+        streams = self._local.__dict__.setdefault("streams", {})
+        s = streams.get(device)
+        if s is None:
+            s = streams[device] = torch.cuda.Stream(device=device)
+        with torch.cuda.stream(s):
+            yield s
+
+
+class KvikioTransport(PosixTransport):
+    """kvikio `CuFile.pread` into CUDA tensors; host destinations take the POSIX path.
+
+    The header is read with a plain `pread`. The payload checksum of bytes that landed in GPU
+    memory needs a host copy of them: the client asks for it only in ``verify="full"`` mode,
+    and it costs one device-to-host copy of each block plus the hash.
+    """
+
+    name = "kvikio"
+
+    def __init__(self, staging_bytes: int, staging_buffers: int) -> None:
+        super().__init__(staging_bytes, staging_buffers)
+        import kvikio  # noqa: PLC0415 - only where chosen
+
+        self._kvikio = kvikio
+        self._open_lock = threading.Lock()
+        configure_kvikio(kvikio)
+
+    def read(self, f: OpenBlock, offset: int, dests: list[torch.Tensor],
+             header: bytearray | None = None, want_checksum: bool = False
+             ) -> tuple[int, int | None]:
+        if dests[0].device.type != "cuda":
+            return super().read(f, offset, dests, header, want_checksum)
+        n = 0
+        if header is not None:
+            n = preadv_all(f.fd, [memoryview(header)], offset)
+            if n < len(header):
+                return n, None
+        if f.cufile is None:
+            with self._open_lock:  # the layers of one block may be read by several threads
+                if f.cufile is None:  # the very file whose header was read, even if unlinked
+                    f.cufile = self._kvikio.CuFile(f"/proc/self/fd/{f.fd}", "r")
+        pos = offset + n
+        futures = []
+        for d in dests:
+            futures.append(f.cufile.pread(d, d.numel(), pos))
+            pos += d.numel()
+        n += sum(fut.get() for fut in futures)
+        return n, self.checksum(dests) if want_checksum else None
+
+
+def kvikio_module(kvikio: Any, name: str) -> Any:
+    """A submodule of kvikio (``defaults``, ``cufile_driver``), or None if it has none."""
+    try:
+        return importlib.import_module(f"kvikio.{name}")
+    except ImportError:
+        return getattr(kvikio, name, None)
+
+
+def configure_kvikio(kvikio: Any) -> None:
+    """Set kvikio's thread pool and task size with whichever API this version has."""
+    d = kvikio_module(kvikio, "defaults")
+    if d is None:
+        log.warning("kvikio has no defaults module: its thread pool is left as it is")
+        return
+    if hasattr(d, "set"):  # kvikio >= 25.02
+        try:
+            d.set({"num_threads": KVIKIO_THREADS, "task_size": KVIKIO_TASK_SIZE})
+            return
+        except Exception as exc:  # noqa: BLE001 - older key names: try the old API
+            log.debug("kvikio.defaults.set failed (%s); trying the older API", exc)
+    if hasattr(d, "num_threads_reset"):
+        d.num_threads_reset(KVIKIO_THREADS)
+    if hasattr(d, "task_size_reset"):
+        d.task_size_reset(KVIKIO_TASK_SIZE)
+
+
+def kvikio_compat_mode(kvikio: Any) -> str:
+    """Whether kvikio reads through cuFile ("off": GDS possible) or POSIX ("on"), as text."""
+    d = kvikio_module(kvikio, "defaults")
+    try:
+        mode = d.get("compat_mode") if hasattr(d, "get") else d.compat_mode()
+        text = str(getattr(mode, "name", mode)).lower()
+        if text == "auto" and hasattr(d, "is_compat_mode_preferred"):
+            text += f" (inferred {'on' if d.is_compat_mode_preferred() else 'off'})"
+    except Exception as exc:  # noqa: BLE001 - report, never fail on a probe
+        return f"unknown ({exc})"
+    return text
+
+
+def cuda_driver_loads() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def select(io: str | None, staging_bytes: int, staging_buffers: int) -> PosixTransport:
+    """The transport for `io` ("posix", "kvikio", or None: $KVFS_IO, else automatic)."""
+    io = io or os.environ.get("KVFS_IO") or None
+    if io not in (None, "posix", "kvikio"):
+        raise ValueError(f"unknown I/O transport {io!r}: use posix or kvikio")
+    if io == "posix":
+        return PosixTransport(staging_bytes, staging_buffers)
+    gpu = torch.cuda.is_available() and cuda_driver_loads()
+    if io == "kvikio":
+        if not gpu:
+            raise RuntimeError("KVFS_IO=kvikio needs a CUDA device and driver; none is usable")
+        return KvikioTransport(staging_bytes, staging_buffers)  # ImportError if not installed
+    if gpu:
+        try:
+            return KvikioTransport(staging_bytes, staging_buffers)
+        except ImportError:
+            log.info("kvikio is not installed: CUDA loads go through pinned host buffers")
+    return PosixTransport(staging_bytes, staging_buffers)

@@ -1,0 +1,454 @@
+"""The kvfs client (the direct path) against real mounts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+import xxhash
+
+import kvfs
+from kvfs import blockfile, control, hashing, transport
+from kvfs.client import CacheFull, KVCache, SpecMismatch
+
+from .conftest import kvfs as kvfs_cli
+
+SPEC = kvfs.ModelSpec(model="org/tiny", revision="r1", kv_dtype="bfloat16", block_size=4,
+                      num_layers=3, num_kv_heads=2, head_dim=8)
+OTHER = kvfs.ModelSpec(model="org/tiny", revision="r2", kv_dtype="bfloat16", block_size=4,
+                       num_layers=3, num_kv_heads=2, head_dim=8)
+BS = SPEC.block_size
+
+
+def tokens(n_blocks: int, start: int = 0) -> list[int]:
+    return list(range(start, start + n_blocks * BS))
+
+
+def kv_of(hashes: list[bytes], spec: kvfs.ModelSpec = SPEC) -> torch.Tensor:
+    """Deterministic KV for each block, derived from its hash (the same block, the same KV)."""
+    out = []
+    for h in hashes:
+        g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little") >> 1)
+        out.append(torch.randn(spec.block_shape, generator=g).to(torch.bfloat16))
+    return torch.stack(out)
+
+
+def digest(t: torch.Tensor) -> str:
+    return xxhash.xxh3_64_hexdigest(transport.host_view(t.contiguous()))
+
+
+def empty(n: int, fill: float = 7.0) -> torch.Tensor:
+    return torch.full((n, *SPEC.block_shape), fill, dtype=torch.bfloat16)
+
+
+@pytest.fixture
+def tenant(mount) -> str:
+    kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")
+    return "acme"
+
+
+@pytest.fixture
+def cache(mount, tenant):
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        yield c
+
+
+def ns_stats(mount, spec: kvfs.ModelSpec = SPEC) -> dict:
+    return mount.stats()["tenants"]["acme"][spec.namespace]
+
+
+def test_import_kvfs_imports_no_torch():
+    code = ("import sys, kvfs; kvfs.ModelSpec; assert 'torch' not in sys.modules; "
+            "kvfs.KVCache; assert 'torch' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_open_makes_namespace_and_manifest(mount, tenant):
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        assert c.direct
+        ns = mount.mnt / tenant / SPEC.namespace
+        assert c.ns_dir == str(ns)
+        assert json.loads((ns / "manifest.json").read_bytes())["fingerprint"] == \
+            SPEC.fingerprint.hex()
+        assert c.data_dir == str(mount.backing / tenant / SPEC.namespace)
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:  # again: reuses it
+        assert c.direct
+    with pytest.raises(FileNotFoundError, match="no tenant 'nobody'"):
+        KVCache.open(mount.mnt, tenant="nobody", spec=SPEC)
+
+
+def test_round_trip_in_another_process(mount, cache):
+    toks = tokens(5) + [1, 2]  # a partial tail block is not hashed
+    hashes = cache.block_hashes(toks)
+    assert hashes == hashing.block_hashes(toks, BS) and len(hashes) == 5
+    kv = kv_of(hashes)
+    assert cache.save(hashes, kv) == 5
+    assert cache.save(hashes, kv) == 0  # already there
+    script = textwrap.dedent(f"""
+        import json, torch, kvfs, xxhash
+        from kvfs import transport
+        spec = kvfs.ModelSpec.from_manifest({SPEC.manifest_json().decode()!r})
+        with kvfs.KVCache.open({str(mount.mnt)!r}, tenant="acme", spec=spec) as c:
+            hashes = c.block_hashes({toks!r})
+            n = c.lookup(hashes)
+            out = torch.zeros((n, *spec.block_shape), dtype=torch.bfloat16)
+            loaded = c.load(hashes[:n], out)
+            print(json.dumps({{"n": n, "loaded": loaded, "direct": c.direct,
+                              "digest": xxhash.xxh3_64_hexdigest(transport.host_view(out)),
+                              "amp": c.stats["fetch_amplification"]}}))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got == {"n": 5, "loaded": 5, "direct": True, "digest": digest(kv), "amp": 1.0}
+
+
+def test_lookup_is_the_cached_prefix(cache):
+    hashes = cache.block_hashes(tokens(6))
+    cache.save(hashes[:3], kv_of(hashes[:3]))
+    assert cache.lookup(hashes) == 3
+    assert cache.lookup(hashes[:2]) == 2
+    assert cache.lookup([]) == 0
+    cache.save(hashes[4:5], kv_of(hashes[4:5]), parent=hashes[3])  # a gap: 3 is missing
+    assert cache.lookup(hashes) == 3
+    with open(cache.path(hashes[4]), "rb") as f:
+        assert blockfile.decode_header(f.read(4096)).parent_hash == hashes[3]
+    with open(cache.path(hashes[0]), "rb") as f:
+        assert blockfile.decode_header(f.read(4096)).parent_hash == hashing.ROOT_PARENT
+    assert cache.lookup(hashes[1:]) == 2  # hashes 1, 2 present
+    assert cache.stats["lookups"] == 5
+
+
+def test_constant_control_calls(cache):
+    costs = []
+    for n, start in ((1, 0), (64, 1000)):
+        hashes = cache.block_hashes(tokens(n, start))
+        kv = kv_of(hashes)
+        cost = []
+        for op, args in ((cache.save, (hashes, kv)), (cache.lookup, (hashes,)),
+                         (cache.load, (hashes, torch.empty_like(kv)))):
+            before = cache.stats["control_calls"]
+            op(*args)
+            cost.append(cache.stats["control_calls"] - before)
+        costs.append(cost)
+    assert costs[0] == costs[1] == [1, 1, 1]
+
+
+def test_corrupt_block_is_a_miss_and_quarantined(mount, cache):
+    hashes = cache.block_hashes(tokens(4))
+    kv = kv_of(hashes)
+    cache.save(hashes, kv)
+    path = cache.path(hashes[2])
+    with open(path, "r+b") as f:  # flip one payload byte in the backing file
+        f.seek(4096 + 100)
+        b = f.read(1)
+        f.seek(4096 + 100)
+        f.write(bytes([b[0] ^ 0x10]))
+    out = empty(4)
+    assert cache.load(hashes, out) == 2
+    assert torch.equal(out[:2], kv[:2])
+    assert torch.count_nonzero(out[2]) == 0  # no bad bytes left behind
+    assert cache.stats["corrupt_blocks"] == 1
+    fan = mount.mnt / "acme" / SPEC.namespace / hashes[2][:1].hex()
+    assert f"{hashes[2].hex()}.kv" not in os.listdir(fan)
+    assert not os.path.exists(path)
+    assert ns_stats(mount)["checksum_failures"] == 1
+    assert cache.lookup(hashes) == 2
+
+
+def test_sampled_verification_still_checks_headers(mount, tenant):
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, verify="sampled") as c:
+        hashes = c.block_hashes(tokens(16))
+        c.save(hashes, kv_of(hashes))
+        with open(c.path(hashes[1]), "r+b") as f:
+            f.write(b"X")  # the magic
+        out = empty(16)
+        assert c.load(hashes, out) == 1
+        assert torch.count_nonzero(out[1]) == 0
+
+
+def test_manifest_of_another_spec_is_refused(mount, tenant):
+    KVCache.open(mount.mnt, tenant=tenant, spec=SPEC).close()
+    manifest = mount.mnt / tenant / SPEC.namespace / "manifest.json"
+    manifest.write_bytes(OTHER.manifest_json())
+    with pytest.raises(SpecMismatch, match=f"{OTHER.fingerprint.hex()}.*not this model's"):
+        KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+    doc = json.loads(SPEC.manifest_json())
+    doc["head_dim"] = 64  # fields edited, fingerprint kept: inconsistent
+    manifest.write_text(json.dumps(doc))
+    with pytest.raises(SpecMismatch, match="not a valid manifest"):
+        KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+
+
+def test_block_of_another_spec_is_never_loaded(mount, tenant, caplog):
+    with KVCache.open(mount.mnt, tenant=tenant, spec=OTHER) as other, \
+            KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(2))
+        other.save(hashes, kv_of(hashes, OTHER))
+        c.save(hashes[1:], kv_of(hashes[1:]), parent=hashes[0])
+        os.makedirs(os.path.dirname(c.path(hashes[0])), exist_ok=True)
+        with open(other.path(hashes[0]), "rb") as src, open(c.path(hashes[0]), "wb") as dst:
+            dst.write(src.read())  # the right name, another model's block
+        assert c.lookup(hashes) == 2  # present by name...
+        out = empty(2)
+        with caplog.at_level(logging.ERROR, logger="kvfs.client"):
+            assert c.load(hashes, out) == 0  # ...but never loaded
+        assert torch.count_nonzero(out[0]) == 0
+        assert "written for another model or layout" in caplog.text
+        assert OTHER.fingerprint.hex() in caplog.text
+        assert c.stats["mismatched_blocks"] == 1 and c.stats["corrupt_blocks"] == 0
+
+
+def test_fallback_through_the_mount(mount, tenant, caplog):
+    with caplog.at_level(logging.WARNING, logger="kvfs.client"):
+        with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, direct=False) as c:
+            assert not c.direct and c.data_dir == c.ns_dir
+            hashes = c.block_hashes(tokens(3))
+            kv = kv_of(hashes)
+            assert c.save(hashes, kv) == 3
+            assert c.lookup(hashes) == 3
+            out = empty(3)
+            assert c.load(hashes, out) == 3
+            assert torch.equal(out, kv)
+            assert c.prefetch(hashes).result() == 3
+            assert c.stats["control_calls"] == 2  # no publish: the daemon saw the writes
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "through the mount" in warnings[0].getMessage()
+    path = c.path(hashes[0])
+    assert path.startswith(str(mount.mnt))
+    assert os.getxattr(path, "user.kvfs.block_hash") == hashes[0].hex().encode()
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as d:  # the direct path sees them
+        out = empty(3)
+        assert d.load(hashes, out) == 3 and torch.equal(out, kv)
+
+
+def test_paged_round_trip(cache):
+    hashes = cache.block_hashes(tokens(3))
+    kv = kv_of(hashes)
+    pages = 8
+    src = [torch.randn((pages, *SPEC.block_shape[1:])).to(torch.bfloat16)
+           for _ in range(SPEC.num_layers)]
+    for i, p in enumerate([5, 1, 7]):
+        for layer in range(SPEC.num_layers):
+            src[layer][p] = kv[i, layer]
+    assert cache.save_paged(hashes, src, [5, 1, 7]) == 3
+    out = empty(3)
+    assert cache.load(hashes, out) == 3 and torch.equal(out, kv)  # same files as save()
+    dst = [torch.zeros((pages, *SPEC.block_shape[1:]), dtype=torch.bfloat16)
+           for _ in range(SPEC.num_layers)]
+    assert cache.load_paged(hashes, dst, [0, 3, 2]) == 3
+    for layer in range(SPEC.num_layers):
+        for i, p in enumerate([0, 3, 2]):
+            assert torch.equal(dst[layer][p], kv[i, layer])
+        assert torch.count_nonzero(dst[layer][1]) == 0
+    with pytest.raises(IndexError):
+        cache.load_paged(hashes, dst, [0, 3, 99])
+
+
+def test_load_async_layer_by_layer(cache):
+    hashes = cache.block_hashes(tokens(8))
+    kv = kv_of(hashes)
+    cache.save(hashes, kv)
+    out = empty(8)
+    h = cache.load_async(hashes, out)
+    for layer in range(SPEC.num_layers):
+        assert h.wait_layer(layer) == 8
+        assert torch.equal(out[:, layer], kv[:, layer])
+    assert h.wait() == 8 and h.done()
+    assert torch.equal(out, kv)
+    assert cache.stats["fetch_amplification"] == 1.0
+    with open(cache.path(hashes[5]), "r+b") as f:  # corrupt the last layer of block 5
+        f.seek(4096 + SPEC.block_payload_bytes - 1)
+        f.write(b"\x55")
+    out = empty(8)
+    h = cache.load_async(hashes, out)
+    assert h.wait_layer(0) == 8  # headers are fine: checksums come with wait()
+    assert h.wait() == 5
+    assert torch.equal(out[:5], kv[:5]) and torch.count_nonzero(out[5]) == 0
+    h = cache.load_async(hashes, empty(8))
+    assert h.wait() == 5  # quarantined: now absent
+    with pytest.raises(ValueError, match="shape"):
+        cache.load_async(hashes, empty(8)[:, :2])
+
+
+def test_save_async_drops_when_the_queue_is_full(mount, tenant):
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, max_pending_saves=1) as c:
+        gate = threading.Event()
+        save = c.save
+
+        def slow_save(*args, **kw):
+            gate.wait(10)
+            return save(*args, **kw)
+
+        c.save = slow_save  # the writer thread is stuck on the first save
+        a, b = c.block_hashes(tokens(2)), c.block_hashes(tokens(2, 100))
+        assert c.save_async(a, kv_of(a))
+        assert not c.save_async(b, kv_of(b))
+        assert c.stats["dropped_saves"] == 1
+        gate.set()
+        c.flush()
+        assert c.lookup(a) == 2 and c.lookup(b) == 0
+        assert c.save_async(b, kv_of(b))
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:  # close() flushed
+        assert c.lookup(b) == 2
+
+
+def test_many_threads_share_one_client(cache):
+    chains = [cache.block_hashes(tokens(4) + tokens(4, 1000 * t)) for t in range(8)]
+    errors: list[BaseException] = []
+
+    def work(hashes: list[bytes]) -> None:
+        try:
+            for _ in range(3):
+                kv = kv_of(hashes)
+                cache.save(hashes, kv)
+                out = empty(len(hashes))
+                assert cache.load(hashes, out) == len(hashes)
+                assert torch.equal(out, kv)
+                h = cache.load_async(hashes, out2 := empty(len(hashes)))
+                assert h.wait() == len(hashes) and torch.equal(out2, kv)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(h,)) for h in chains]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert cache.stats["fetch_amplification"] == 1.0
+
+
+def test_mount_stats_show_the_client(mount, cache):
+    hashes = cache.block_hashes(tokens(5))
+    cache.save(hashes[:3], kv_of(hashes[:3]))
+    assert cache.lookup(hashes) == 3
+    assert cache.load(hashes[:3], empty(3)) == 3
+    c = ns_stats(mount)
+    assert c["published_blocks"] == 3
+    assert c["published_bytes"] == 3 * blockfile.HEADER_SIZE * 2
+    assert (c["lookups"], c["hit_blocks"], c["miss_blocks"]) == (1, 3, 2)
+    assert (c["hit_tokens"], c["miss_tokens"]) == (3 * BS, 2 * BS)
+    assert c["direct_read_bytes"] == 3 * (4096 + SPEC.block_payload_bytes)
+    listing = os.listdir(mount.mnt / "acme" / SPEC.namespace)
+    assert {h[:1].hex() for h in hashes[:3]} <= set(listing)
+
+
+def test_full_cache_raises(mount_factory):
+    mount = mount_factory(extra=["--capacity", "20K"])
+    kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")
+    with KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(4))  # 8 KiB files: 32 KiB do not fit
+        with pytest.raises(CacheFull):
+            c.save(hashes, kv_of(hashes))
+        left = [h for h in hashes if os.path.exists(c.path(h))]
+        assert len(left) < 4  # what was refused is gone; what is left is published:
+        for h in left:
+            assert os.path.exists(os.path.join(c.ns_dir, hashing.block_relpath(h)))
+
+
+def as_uid(uid: int, fn) -> str:
+    """Run ``fn`` in a forked child process that has dropped to ``uid`` (a process of another
+    tenant); returns what it returned. A fork needs no interpreter that the uid may execute."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            os.write(w, str(fn()).encode())
+            code = 0
+        except BaseException as exc:  # noqa: BLE001
+            os.write(w, f"error {exc!r}".encode())
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    return out
+
+
+def test_tenants_are_isolated(mount):
+    for name, uid in (("alpha", 1000), ("beta", 1001)):
+        kvfs_cli("tenant", "add", str(mount.mnt), name, "--uid", str(uid), "--gid", str(uid))
+
+    def use(tenant: str) -> str:
+        try:
+            with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+                h = c.block_hashes(tokens(1))
+                c.save(h, torch.zeros((1, *SPEC.block_shape), dtype=torch.bfloat16))
+                return f"open {c.direct} {c.lookup(h)}"
+        except PermissionError as exc:
+            return f"denied {exc}"
+
+    def publish(tenant: str) -> str:
+        try:
+            os.setxattr(mount.mnt / tenant / SPEC.namespace, control.PUBLISH, bytes(16))
+            return "published"
+        except PermissionError:
+            return "publish denied"
+
+    assert as_uid(1000, lambda: use("alpha")) == "open True 1"
+    out = as_uid(1001, lambda: use("alpha"))
+    assert out.startswith("denied") and "tenant 'alpha'" in out
+    assert as_uid(1001, lambda: publish("alpha")) == "publish denied"
+    assert as_uid(1000, lambda: publish("alpha")) == "published"  # its own: allowed
+    assert as_uid(1001, lambda: use("beta")) == "open True 1"
+    st = os.stat(mount.backing / "alpha" / SPEC.namespace)
+    assert st.st_uid == 1000
+
+
+def test_options_are_checked(mount, tenant, monkeypatch):
+    with pytest.raises(ValueError, match="verify"):
+        KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, verify="none")
+    monkeypatch.setenv("KVFS_IO", "tape")
+    with pytest.raises(ValueError, match="posix or kvikio"):
+        KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("KVFS_IO", "kvikio")
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+    monkeypatch.delenv("KVFS_IO")
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(1))
+        with pytest.raises(ValueError, match="dtype"):
+            c.save(hashes, torch.zeros((1, *SPEC.block_shape)))
+        with pytest.raises(ValueError, match="contiguous"):
+            c.load(hashes, empty(1).transpose(4, 5).contiguous().transpose(4, 5))
+        with pytest.raises(ValueError, match="holds 1 blocks"):
+            c.load(hashes * 2, empty(1))
+
+
+def test_vectored_io_survives_short_transfers(tmp_path, monkeypatch):
+    """preadv/pwritev may move fewer bytes than asked: the helpers carry on."""
+    real_preadv, real_pwritev = os.preadv, os.pwritev
+
+    def short(fn):
+        return lambda fd, bufs, off: fn(fd, [bufs[0][:3]] if bufs[0].nbytes > 3 else bufs[:1],
+                                        off)
+
+    monkeypatch.setattr(os, "preadv", short(real_preadv))
+    monkeypatch.setattr(os, "pwritev", short(real_pwritev))
+    data = [memoryview(os.urandom(n)) for n in (10, 0, 7, 4096)]
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT)
+    try:
+        transport.pwritev_all(fd, data, 5)
+        bufs = [memoryview(bytearray(n)) for n in (10, 0, 7, 4096, 8)]
+        assert transport.preadv_all(fd, bufs, 5) == 10 + 7 + 4096
+        assert b"".join(bytes(b) for b in bufs[:4]) == b"".join(bytes(d) for d in data)
+    finally:
+        os.close(fd)
+    assert transport.checksum(data) == blockfile.payload_checksum(b"".join(data))
+    assert control.MAX_HASHES > 64

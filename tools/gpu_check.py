@@ -1,0 +1,336 @@
+"""GPU check of the kvfs direct path: blocks written through a mount, loaded into CUDA tensors.
+
+On a CUDA host this writes N blocks through a kvfs mount (the one given, or one it mounts
+itself over a temporary directory with ``python -m kvfs.cli mount`` and unmounts at the end),
+loads them through the kvikio transport (and the POSIX one) into CUDA tensors, verifies every
+byte, and prints:
+
+- whether kvikio read through cuFile (GDS) or in a compatibility mode, as kvikio reports it;
+- the backing filesystem's type (cuFile does GDS on ext4/xfs on NVMe and a few others);
+- GB/s of each load against the baseline on the same files in the same run: threaded host
+  `preadv` into pinned memory, then a host-to-device copy of the same bytes.
+
+Each timed load follows an untimed one (pinned buffers and CUDA streams are made on first
+use) and starts after `posix_fadvise(DONTNEED)` of the block files (written with
+fsync, so the kernel may drop them; kvikio's page-cache probe, where present, says whether it
+did), or with the files left in the page cache (``--warm``: the path's own cost). Where FUSE cannot
+be mounted, it says why and runs the same client over a plain directory (control calls
+counted, not sent). Where there is no GPU it says so and exits 0. Exit 1: a byte differed.
+
+    python tools/gpu_check.py [MOUNT] [--tenant T] [--blocks N] [--block-mib M] [--dir D]
+                              [--warm] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+GiB = 1 << 30
+
+
+def say(msg: str) -> None:
+    print(f"gpu_check: {msg}", flush=True)
+
+
+@dataclass
+class Place:
+    mount: str | None  # None: no kvfs mount could run here; `data` is a plain directory
+    data: str
+    note: str
+
+
+def kvfs_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*KVFS, *args], capture_output=True, text=True)
+
+
+@contextlib.contextmanager
+def place(mount: str | None, tenant: str, base: str | None) -> Iterator[Place]:
+    """A mount with `tenant` in it: the given one, or a temporary one (or a plain directory)."""
+    if mount:
+        if not os.path.isdir(os.path.join(mount, tenant)):
+            res = kvfs_cli("tenant", "add", mount, tenant, "--uid", str(os.getuid()),
+                           "--gid", str(os.getgid()))
+            if res.returncode:
+                raise SystemExit(f"gpu_check: cannot add tenant {tenant}: {res.stderr.strip()}")
+        yield Place(mount, "", f"the kvfs mount {mount}")
+        return
+    tmp = tempfile.mkdtemp(prefix="kvfs-gpu-check-", dir=base)
+    backing, mnt = os.path.join(tmp, "backing"), os.path.join(tmp, "mnt")
+    os.makedirs(backing)
+    os.makedirs(mnt)
+    res = kvfs_cli("mount", backing, mnt, "--log", os.path.join(tmp, "daemon.log"))
+    mounted = res.returncode == 0 and os.path.ismount(mnt)
+    try:
+        if mounted:
+            res = kvfs_cli("tenant", "add", mnt, tenant, "--uid", str(os.getuid()),
+                           "--gid", str(os.getgid()))
+            if res.returncode:
+                raise SystemExit(f"gpu_check: cannot add tenant: {res.stderr.strip()}")
+            yield Place(mnt, "", f"a kvfs mount made for this check over {backing}")
+        else:
+            why = (res.stderr or res.stdout).strip().splitlines()
+            data = os.path.join(backing, tenant, "check")
+            os.makedirs(data)
+            yield Place(None, data, "NO kvfs mount (it could not be mounted here: "
+                        f"{why[-1] if why else 'no reason given'}); the same client over "
+                        f"the plain directory {data}")
+    finally:
+        if mounted:
+            kvfs_cli("umount", mnt)
+        if not os.path.ismount(mnt):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def fs_type(path: str) -> str:
+    """The filesystem type of `path`, from /proc/mounts (and `stat -f` where it differs)."""
+    path = os.path.realpath(path)
+    best, kind = "", "unknown"
+    with contextlib.suppress(OSError), open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 3:
+                continue
+            mnt = fields[1].replace("\\040", " ")
+            inside = path == mnt or path.startswith(mnt.rstrip("/") + "/")
+            if inside and len(mnt) >= len(best):
+                best, kind = mnt, fields[2]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        res = subprocess.run(["stat", "-f", "-c", "%T", path], capture_output=True, text=True)
+        st = res.stdout.strip()
+        if res.returncode == 0 and st and st != kind:
+            kind = f"{kind} (stat -f: {st})"
+    return f"{kind} at {best or '?'}"
+
+
+def gds_status(kvikio: Any, transport: Any, sample: str) -> str:
+    """What kvikio says about how it reads: cuFile (GDS possible) or POSIX compatibility."""
+    parts = [f"kvikio {getattr(kvikio, '__version__', '?')}",
+             f"kvikio compat_mode={transport.kvikio_compat_mode(kvikio)}"]
+    drv = transport.kvikio_module(kvikio, "cufile_driver")
+    for key in ("is_gds_available", "allow_compat_mode"):
+        with contextlib.suppress(Exception):
+            if drv is not None and hasattr(drv, "get"):
+                parts.append(f"cufile {key}={drv.get(key)}")
+    with contextlib.suppress(Exception):
+        f = kvikio.CuFile(sample, "r")
+        try:
+            if hasattr(f, "is_direct_io_supported"):
+                parts.append(f"O_DIRECT on the block files={f.is_direct_io_supported()}")
+        finally:
+            f.close()
+    compat = parts[1].split("=", 1)[1]
+    if compat in ("on", "true", "1") or "inferred on" in compat:
+        verdict = "COMPATIBILITY mode (kvikio reads with POSIX; cuFile not used)"
+    elif "cufile is_gds_available=True" in parts:
+        verdict = "GDS (cuFile, GPUDirect Storage available)"
+    elif "cufile is_gds_available=False" in parts:
+        verdict = "cuFile COMPATIBILITY mode (GDS not available: cuFile bounces through host)"
+    else:
+        verdict = "cuFile (GDS availability not reported by this kvikio)"
+    return f"{verdict}; {', '.join(parts)}"
+
+
+def drop_cache(paths: list[str], kvikio: Any = None) -> str:
+    """Ask the kernel to drop the files' pages; what kvikio then sees cached, if it can."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    with contextlib.suppress(Exception):
+        cached, pages = kvikio.get_page_cache_info(paths[0])
+        return f"{cached}/{pages} pages of a block file still cached"
+    return "page cache residency not measured"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("mount", nargs="?", help="a kvfs mount (default: mount one over --dir)")
+    ap.add_argument("--tenant", default="gpu-check")
+    ap.add_argument("--blocks", type=int, default=64)
+    ap.add_argument("--block-mib", type=float, default=16.0)
+    ap.add_argument("--dir", help="where a temporary backing directory goes (default: $TMPDIR)")
+    ap.add_argument("--warm", action="store_true",
+                    help="leave the files in the page cache (measures the path, not the disk)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        say("torch is not installed: no GPU here to check")
+        return 0
+    if not torch.cuda.is_available():
+        say("no CUDA GPU here (torch.cuda.is_available() is False): nothing to check")
+        return 0
+
+    from kvfs import transport
+    from kvfs.client import KVCache
+    from kvfs.hashing import ModelSpec
+
+    try:
+        import kvikio
+    except ImportError as exc:
+        kvikio = None
+        say(f"kvikio is not installed ({exc}): checking the POSIX transport only")
+
+    class NoDaemon(KVCache):
+        """The client over a plain directory: control calls are counted, not sent."""
+
+        def _control(self, name: bytes, value: bytes) -> None:
+            self._count(control_calls=1)
+
+    per_token = 32 * 2 * 8 * 128 * 2
+    spec = ModelSpec(model="kvfs/gpu-check", revision="1", kv_dtype="bfloat16",
+                     block_size=max(1, round(args.block_mib * (1 << 20) / per_token)),
+                     num_layers=32, num_kv_heads=8, head_dim=128)
+    n, payload = args.blocks, spec.block_payload_bytes
+    total = n * payload
+    dev = torch.device("cuda", torch.cuda.current_device())
+    say(f"device {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+        f"{n} blocks of {payload / (1 << 20):.1f} MiB ({total / GiB:.2f} GiB)")
+    figures: dict[str, Any] = {"blocks": n, "block_bytes": payload,
+                               "device": torch.cuda.get_device_name(dev)}
+    failures = []
+
+    with place(args.mount, args.tenant, args.dir) as where:
+        say(f"store: {where.note}")
+
+        def open_cache(**kw: Any) -> KVCache:
+            if where.mount:
+                return KVCache.open(where.mount, tenant=args.tenant, spec=spec, **kw)
+            return NoDaemon(where.data, where.data, spec, direct=True, **kw)
+
+        kv = torch.randint(0, 256, (n, payload), dtype=torch.uint8, device=dev)
+        kv = kv.view(torch.bfloat16).view(n, *spec.block_shape)
+        start = int.from_bytes(os.urandom(3), "little")  # new blocks on every run
+        tokens = list(range(start, start + n * spec.block_size))
+        with open_cache(io="posix", fsync=True) as writer:
+            hashes = writer.block_hashes(tokens)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            writer.save(hashes, kv)
+            dt = time.perf_counter() - t0
+            paths = [writer.path(h) for h in hashes]
+            say(f"saved from CUDA (copy to host, checksum, pwritev, fsync, publish): "
+                f"{total / dt / 1e9:.2f} GB/s; direct path: {writer.direct}; "
+                f"control calls: {writer.stats['control_calls']}")
+        def cache_state(paths: list[str]) -> str:
+            if args.warm:
+                return "warm: the block files were left in the page cache"
+            return drop_cache(paths, kvikio)
+
+        figures["backing"] = paths[0]
+        figures["backing_fs"] = fs_type(paths[0])
+        say(f"backing filesystem: {figures['backing_fs']}")
+        if kvikio is not None:
+            figures["cufile"] = gds_status(kvikio, transport, paths[0])
+            say(f"cuFile: {figures['cufile']}")
+
+        kv_bytes = kv.view(torch.uint8)
+        runs = [("posix-staged", "posix", "full")]
+        if kvikio is not None:
+            runs = [("kvikio", "kvikio", "full"), ("kvikio-sampled", "kvikio", "sampled"),
+                    *runs]
+        for name, io, verify in runs:
+            with open_cache(io=io, verify=verify) as cache:
+                out = torch.zeros_like(kv)
+                cache.load(hashes, out)  # untimed: pins the staging buffers, makes streams
+                out.zero_()
+                figures.setdefault("page_cache", cache_state(paths))
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                got = cache.load(hashes, out)
+                torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+                same = got == n and torch.equal(out.view(torch.uint8), kv_bytes)
+                figures[name] = {"gbps": total / dt / 1e9, "loaded": got, "identical": same,
+                                 "transport": cache.transport.name, "verify": verify,
+                                 "fetch_amplification": cache.stats["fetch_amplification"]}
+                say(f"load {name:15s} ({cache.transport.name}, verify={verify}): "
+                    f"{total / dt / 1e9:6.2f} GB/s, {got}/{n} blocks, "
+                    f"{'every byte identical' if same else 'BYTES DIFFER'}")
+                if not same:
+                    failures.append(name)
+                if io == "kvikio":  # the layer-wise and paged forms, for correctness
+                    out.zero_()
+                    h = cache.load_async(hashes, out)
+                    first = h.wait_layer(0)
+                    ok = (first == n and h.wait() == n
+                          and torch.equal(out.view(torch.uint8), kv_bytes))
+                    layers = [torch.zeros((n + 1, *spec.block_shape[1:]), dtype=kv.dtype,
+                                          device=dev) for _ in range(spec.num_layers)]
+                    ids = list(range(n, 0, -1))
+                    ok = ok and cache.load_paged(hashes, layers, ids) == n and all(
+                        torch.equal(layers[la][ids[i]].view(torch.uint8), kv_bytes[i, la])
+                        for la in range(spec.num_layers) for i in (0, n - 1))
+                    say(f"load {name} layer-wise and paged: {'identical' if ok else 'DIFFER'}")
+                    if not ok:
+                        failures.append(f"{name} layer-wise/paged")
+                    del layers
+                del out
+
+        # The baseline: threaded preadv of the same files into pinned memory, then H2D.
+        host = torch.empty((n, payload), dtype=torch.uint8, pin_memory=True)
+        views = [transport.host_view(host[i]) for i in range(n)]
+        threads = min(32, 4 * (os.cpu_count() or 1))
+
+        def read(i: int) -> int:
+            fd = os.open(paths[i], os.O_RDONLY)
+            try:
+                return transport.preadv_all(fd, [views[i]], 4096)
+            finally:
+                os.close(fd)
+
+        cache_state(paths)
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            assert sum(pool.map(read, range(n))) == total
+            t_read = time.perf_counter() - t0
+        dest = torch.empty((n, payload), dtype=torch.uint8, device=dev)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dest.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+        t_copy = time.perf_counter() - t0
+        if not torch.equal(dest, kv_bytes.view(n, payload)):
+            failures.append("baseline")
+        base = total / (t_read + t_copy) / 1e9
+        figures["baseline"] = {"preadv_gbps": total / t_read / 1e9,
+                               "h2d_gbps": total / t_copy / 1e9, "preadv_then_h2d_gbps": base,
+                               "threads": threads}
+        say(f"page cache before each load: {figures['page_cache']}")
+        say(f"baseline: threaded preadv ({threads} threads) {total / t_read / 1e9:.2f} GB/s, "
+            f"H2D copy {total / t_copy / 1e9:.2f} GB/s, both in turn {base:.2f} GB/s")
+        for name, _, _ in runs:
+            ratio = figures[name]["gbps"] / base
+            figures[name]["vs_baseline"] = ratio
+            say(f"{name}: {ratio:.2f}x the preadv-then-copy baseline")
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2, sort_keys=True) + "\n")
+    if failures:
+        say(f"FAILED: {', '.join(failures)}")
+        return 1
+    say("OK: every byte loaded into GPU memory is identical to what was saved")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
