@@ -68,6 +68,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 BACKING_XATTR = "user.kvfs.backing"
+TIERS_XATTR = "user.kvfs.tiers"
 #: verify="sampled" checksums the blocks whose hash's last byte is a multiple of this.
 SAMPLE_EVERY = 8
 #: The soft open-file limit a client raises itself to (within the hard limit).
@@ -204,6 +205,10 @@ class KVCache:
         self._lock = threading.Lock()
         self._counters = dict.fromkeys(_COUNTERS, 0)
         self._closed = False
+        try:  # the mount's lower tiers: a hot miss may still be a hit there
+            self.tiers = [t for t in os.getxattr(ns_dir, TIERS_XATTR).decode().split(",") if t]
+        except OSError:
+            self.tiers = []
         _raise_fd_limit()
 
     # -- opening -------------------------------------------------------------------------
@@ -324,20 +329,36 @@ class KVCache:
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """The length, in blocks, of the longest prefix of ``hashes`` that is cached."""
-        n = 0
-        for h in hashes:
-            if not os.path.exists(self.path(h)):
-                break
-            n += 1
+        n = self._hot_prefix(hashes, 0)
+        if n < len(hashes) and self.tiers:
+            # One control call: the daemon fetches what the lower tiers have (each fetch
+            # within its deadline) and places it hot.
+            for i in range(n, len(hashes), control.MAX_HASHES):
+                self._report(control.FETCH, control.pack_hashes(
+                    list(hashes[i:i + control.MAX_HASHES])))
+            n = self._hot_prefix(hashes, n)
         miss, bs = len(hashes) - n, self.spec.block_size
         self._access(hashes[:n], lookups=1, hit_blocks=n, miss_blocks=miss,
                      hit_tokens=n * bs, miss_tokens=miss * bs)
         self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
         return n
 
+    def _hot_prefix(self, hashes: Sequence[bytes], start: int) -> int:
+        n = start
+        for h in hashes[start:]:
+            if not os.path.exists(self.path(h)):
+                break
+            n += 1
+        return n
+
     def prefetch(self, hashes: Sequence[bytes]) -> Future[int]:
-        """Start warming the page cache with the cached prefix of ``hashes`` (for a queued
-        request); the future gives the number of blocks asked for."""
+        """Start warming what a queued request will need: promotions from the lower tiers
+        (the daemon runs them in the background) and the page cache for the hot prefix of
+        ``hashes``; the future gives the number of hot blocks warmed."""
+        if self.tiers:
+            for i in range(0, len(hashes), control.MAX_HASHES):
+                self._report(control.PREFETCH, control.pack_hashes(
+                    list(hashes[i:i + control.MAX_HASHES])))
         return self._pool.submit(self._prefetch, list(hashes))
 
     def _prefetch(self, hashes: list[bytes]) -> int:

@@ -1090,6 +1090,8 @@ class Operations(pyfuse3.Operations):
         out = {b"user.kvfs.tier": self._tier_name(node.tier).encode()}
         if node.inode != ROOT_INODE:
             out[b"user.kvfs.backing"] = self.store.path(self._path(node))
+        if node.is_dir and self.tiering is not None:
+            out[b"user.kvfs.tiers"] = ",".join(t.name for t in self.tiering.tiers).encode()
         if node.block_hash is not None:
             out[b"user.kvfs.block_hash"] = node.block_hash.hex().encode()
             out[b"user.kvfs.parent_hash"] = (node.parent_hash or b"").hex().encode()

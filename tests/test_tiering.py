@@ -88,3 +88,34 @@ def test_two_hosts_share_a_tier(mount_factory, tmp_path):
     assert b.stats()["tiers"][0]["hits"] == 5
     missing = hashing.block_hashes([999] * 16, 16)[0]
     assert not (ns_b / hashing.block_relpath(missing)).exists()
+
+
+def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_path):
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+
+    shared = tmp_path / "shared"
+    a = mount_factory("a", extra=["--shared", f"dir://{shared}"])
+    b = mount_factory("b", extra=["--shared", f"dir://{shared}"])
+    for m in (a, b):
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    spec = kv.ModelSpec(model="org/m", revision="r", kv_dtype="float16", block_size=16,
+                        num_layers=2, num_kv_heads=2, head_dim=32)
+    tokens = list(range(16 * 6))
+    kv_in = torch.randn(6, *spec.block_shape).to(torch.float16)
+    with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as ca:
+        hashes = ca.block_hashes(tokens)
+        assert ca.save(hashes, kv_in) == 6
+    last = shared / "t" / spec.namespace / hashing.block_relpath(hashes[-1])
+    deadline = time.monotonic() + 10
+    while not last.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with kv.KVCache.open(b.mnt, tenant="t", spec=spec) as cb:
+        assert cb.tiers == ["shared"]
+        calls = cb.stats["control_calls"]
+        assert cb.lookup(hashes) == 6
+        assert cb.stats["control_calls"] - calls == 2  # one fetch, one access record
+        out = torch.zeros_like(kv_in)
+        assert cb.load(hashes, out) == 6
+        assert torch.equal(out, kv_in)
+    assert b.stats()["tiers"][0]["hits"] == 6
