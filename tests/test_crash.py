@@ -84,7 +84,7 @@ def content(hashes):
 def all_blocks(m) -> list[bytes]:
     ns = m.backing / "t" / SPEC.namespace
     found = []
-    for d, _, files in os.walk(ns):
+    for _, _, files in os.walk(ns):
         for f in files:
             h = kv.hashing.parse_block_filename(f)
             if h is not None:
