@@ -403,3 +403,37 @@ def test_requests_never_end_the_mount(tenant, mount):
             fn()
     (tenant / "alive").write_bytes(b"yes")
     assert (tenant / "alive").read_bytes() == b"yes"
+
+
+def test_no_control_call_crosses_tenants(mount):
+    """Tenant B cannot make kvfs act on tenant A's namespace through any control call, and
+    identical blocks of two tenants are two files."""
+    kvfs("tenant", "add", str(mount.mnt), "a", "--uid", str(UID_A), "--gid", str(GID_A),
+         "--mode", "0755")
+    kvfs("tenant", "add", str(mount.mnt), "b", "--uid", str(UID_B), "--gid", str(GID_B))
+    h, data = make_block(3)
+    src = mount.backing.parent / "block.kv"
+    src.write_bytes(data)
+    for t, uid in (("a", UID_A), ("b", UID_B)):
+        ns = mount.mnt / t / "ns"
+        script = (f"mkdir -p {ns}/{h[:1].hex()} && cp {src} {ns}/{h[:1].hex()}/.t && "
+                  f"mv {ns}/{h[:1].hex()}/.t {ns / hashing.block_relpath(h)}")
+        res = run_as(uid, uid, ["sh", "-c", script])
+        assert res.returncode == 0, res.stderr
+        assert os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.block_hash") == \
+            h.hex().encode()
+    a_block = mount.backing / "a" / "ns" / hashing.block_relpath(h)
+    b_block = mount.backing / "b" / "ns" / hashing.block_relpath(h)
+    assert a_block.read_bytes() == b_block.read_bytes()
+    assert os.stat(a_block).st_ino != os.stat(b_block).st_ino
+    assert os.stat(a_block).st_uid == UID_A and os.stat(b_block).st_uid == UID_B
+    a_ns = mount.mnt / "a" / "ns"  # world-readable (0755), yet not writable by B
+    for name in ("publish", "access", "corrupt", "fetch", "prefetch", "pin", "quota"):
+        res = run_as(UID_B, GID_B, ["setfattr", "-n", f"user.kvfs.{name}", "-v", "0x" + h.hex(),
+                                    str(a_ns)])
+        assert res.returncode != 0, name
+        assert "denied" in res.stderr or "not permitted" in res.stderr, (name, res.stderr)
+    res = run_as(UID_B, GID_B, ["setfattr", "-n", "user.kvfs.pin", "-v", "1",
+                                str(mount.mnt / "a" / "ns" / hashing.block_relpath(h))])
+    assert res.returncode != 0
+    assert a_block.exists() and mount.stats()["tenants"]["a"]["ns"]["checksum_failures"] == 0
