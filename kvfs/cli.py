@@ -89,6 +89,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         shared=pick("shared", None),
         write_through=not args.no_write_through and bool(conf.get("write_through", True)),
         fetch_timeout=pick("fetch_timeout", None),
+        tier_cooldown=float(pick("tier_cooldown", 10.0)),
     )
     _validate(opts)
     log_file = args.log or conf.get("log")
@@ -109,7 +110,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     cmd += ["--policy", opts.policy, "--high-watermark", str(opts.high_watermark),
             "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval)]
     for flag, value in (("--cold", opts.cold), ("--shared", opts.shared),
-                        ("--fetch-timeout", opts.fetch_timeout)):
+                        ("--fetch-timeout", opts.fetch_timeout),
+                        ("--tier-cooldown", opts.tier_cooldown)):
         if value is not None:
             cmd += [flag, str(value)]
     if not opts.write_through:
@@ -399,6 +401,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--fetch-timeout", type=float, dest="fetch_timeout",
                    help="seconds a lower-tier fetch may take before it is a miss "
                         "(default: derived from the block size)")
+    m.add_argument("--tier-cooldown", type=float, dest="tier_cooldown",
+                   help="seconds a failing lower tier is left alone before a retry (10)")
     m.add_argument("--debug", action="store_true")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)

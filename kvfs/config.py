@@ -25,6 +25,7 @@ KEYS: dict[str, type] = {
     "shared": str,
     "write_through": bool,
     "fetch_timeout": float,
+    "tier_cooldown": float,
 }
 
 

@@ -50,6 +50,7 @@ class MountOptions:
     shared: str | None = None  # s3://bucket/prefix?endpoint=...
     write_through: bool = True
     fetch_timeout: float | None = None
+    tier_cooldown: float = 10.0  # seconds a failing tier is left alone (circuit open)
 
 
 def open_state_dir(backing: str) -> tuple[BackingStore, int]:
@@ -106,7 +107,7 @@ def make_tiering(opts: MountOptions) -> Tiering | None:
     if not tiers:
         return None
     return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
-                   fetch_timeout=opts.fetch_timeout)
+                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown)
 
 
 def mount_options(debug: bool) -> set[str]:

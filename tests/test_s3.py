@@ -1,0 +1,91 @@
+"""Several hosts share one real S3 bucket (SeaweedFS on loopback) through their mounts."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from .conftest import kvfs
+from .s3server import s3  # noqa: F401 - the fixture
+
+torch = pytest.importorskip("torch")
+
+import kvfs as kv  # noqa: E402
+
+SPEC = kv.ModelSpec(model="org/shared", revision="r", kv_dtype="float16", block_size=16,
+                    num_layers=2, num_kv_heads=2, head_dim=64)
+
+
+def mounts(mount_factory, s3):  # noqa: F811
+    extra = ["--shared", s3.url, "--fetch-timeout", "2", "--tier-cooldown", "1"]
+    hosts = [mount_factory(name, extra=extra) for name in ("a", "b")]
+    for m in hosts:
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    return hosts
+
+
+def save(m, tokens):
+    kv_in = torch.randn(len(tokens) // 16, *SPEC.block_shape).to(torch.float16)
+    with kv.KVCache.open(m.mnt, tenant="t", spec=SPEC) as c:
+        hashes = c.block_hashes(tokens)
+        c.save(hashes, kv_in)
+    return hashes, kv_in
+
+
+def wait_uploaded(s3, hashes):  # noqa: F811
+    client = s3.client()
+    keys = [f"t/{SPEC.namespace}/{kv.hashing.block_relpath(h)}" for h in hashes]
+    deadline = time.monotonic() + 20
+    for key in keys:
+        while True:
+            objs = client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])
+            if any(o["Key"].endswith(key) for o in objs):
+                break
+            assert time.monotonic() < deadline, f"{key} never reached the bucket"
+            time.sleep(0.1)
+
+
+def load(m, hashes, like):
+    with kv.KVCache.open(m.mnt, tenant="t", spec=SPEC) as c:
+        start = time.monotonic()
+        n = c.lookup(hashes)
+        out = torch.zeros_like(like)
+        got = c.load(hashes[:n], out)
+        return got, out, time.monotonic() - start
+
+
+def test_a_context_saved_on_one_host_loads_on_another(mount_factory, s3):  # noqa: F811
+    a, b = mounts(mount_factory, s3)
+    hashes, kv_in = save(a, list(range(16 * 8)))
+    wait_uploaded(s3, hashes)
+    got, out, _ = load(b, hashes, kv_in)
+    assert got == 8 and torch.equal(out, kv_in)
+    st = b.stats()
+    assert st["tiers"][0]["hits"] == 8 and st["tiers"][0]["name"] == "shared"
+    assert st["tenants"]["t"][SPEC.namespace]["promotions"] == 8
+
+
+def test_a_dead_store_costs_misses_within_the_deadline(mount_factory, s3):  # noqa: F811
+    a, b = mounts(mount_factory, s3)
+    warm, warm_kv = save(a, list(range(16 * 2)))
+    cold, cold_kv = save(a, list(range(1000, 1000 + 16 * 6)))
+    wait_uploaded(s3, warm + cold)
+    assert load(b, warm, warm_kv)[0] == 2  # now hot on b
+    s3.stop()
+    got, _, seconds = load(b, cold, cold_kv)
+    assert got == 0
+    assert seconds < 15, f"a dead store held a lookup for {seconds:.1f} s"
+    got, out, _ = load(b, warm, warm_kv)  # the hot tier keeps serving
+    assert got == 2 and torch.equal(out, warm_kv)
+    tier = b.stats()["tiers"][0]
+    assert tier["errors"] + tier["timeouts"] + tier["skipped"] >= 1
+    s3.start()
+    time.sleep(1.5)  # the circuit's cooldown
+    deadline = time.monotonic() + 20
+    while True:
+        got, out, _ = load(b, cold, cold_kv)
+        if got == 6 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == 6 and torch.equal(out, cold_kv)
