@@ -90,6 +90,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         write_through=not args.no_write_through and bool(conf.get("write_through", True)),
         fetch_timeout=pick("fetch_timeout", None),
         tier_cooldown=float(pick("tier_cooldown", 10.0)),
+        metrics=pick("metrics", None),
+        audit=pick("audit", None),
     )
     _validate(opts)
     log_file = args.log or conf.get("log")
@@ -111,7 +113,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
             "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval)]
     for flag, value in (("--cold", opts.cold), ("--shared", opts.shared),
                         ("--fetch-timeout", opts.fetch_timeout),
-                        ("--tier-cooldown", opts.tier_cooldown)):
+                        ("--tier-cooldown", opts.tier_cooldown), ("--metrics", opts.metrics),
+                        ("--audit", opts.audit)):
         if value is not None:
             cmd += [flag, str(value)]
     if not opts.write_through:
@@ -204,34 +207,81 @@ def human(n: float | None) -> str:
     return str(n)
 
 
+def _hit_pct(c: dict[str, int]) -> str:
+    hits = c["hit_blocks"] + c["mount_hits"]
+    total = hits + c["miss_blocks"] + c["mount_misses"]
+    return f"{100 * hits / total:.1f}" if total else "-"
+
+
+def status_lines(stats: dict[str, Any]) -> list[str]:
+    cap = stats.get("capacity_bytes")
+    used = stats["used_bytes"]
+    pct = f" ({100 * used / cap:.1f} %)" if cap else ""
+    lines = [f"kvfs {stats['version']}  mount {stats['mountpoint']}  backing {stats['backing']}  "
+             f"pid {stats['pid']}",
+             f"hot: {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
+             f"{stats['files']} files, {stats['open_files']} open"]
+    for t in stats.get("tiers", []):
+        lines.append(f"{t['name']}: {t['url']}  circuit {t['circuit']}  hits {t['hits']}  "
+                     f"misses {t['misses']}  timeouts {t['timeouts']}  errors {t['errors']}  "
+                     f"uploads {t['uploads']} (failed {t['upload_failures']})")
+    rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "HIT%", "HITS", "MISSES", "READ",
+             "WRITTEN", "EVICTED")]
+    for tenant, spaces in sorted(stats["tenants"].items()):
+        for ns, c in sorted(spaces.items()):
+            rows.append((tenant, ns or "-", str(c["files"]), human(c["bytes"]), _hit_pct(c),
+                         str(c["hit_blocks"] + c["mount_hits"]),
+                         str(c["miss_blocks"] + c["mount_misses"]),
+                         human(c["read_bytes"] + c["direct_read_bytes"]),
+                         human(c["write_bytes"] + c["published_bytes"]),
+                         str(c["evictions"] + c["demotions"] + c["expirations"])))
+    return lines + _table_lines(rows)
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     stats = read_stats(os.path.abspath(args.mountpoint))
     if args.json:
         print(json.dumps(stats, indent=2, sort_keys=True))
         return 0
-    cap = stats.get("capacity_bytes")
-    used = stats["used_bytes"]
-    print(f"kvfs {stats['version']}  mount {stats['mountpoint']}  backing {stats['backing']}  "
-          f"pid {stats['pid']}")
-    pct = f" ({100 * used / cap:.1f} %)" if cap else ""
-    print(f"used {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
-          f"{stats['files']} files, {stats['open_files']} open")
-    rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "READ", "WRITTEN")]
-    for tenant, spaces in sorted(stats["tenants"].items()):
-        for ns, c in sorted(spaces.items()):
-            rows.append((tenant, ns or "-", str(c["files"]), human(c["bytes"]),
-                         human(c["read_bytes"]), human(c["write_bytes"])))
-    for t in stats.get("tenant_dirs", []):
-        if t not in stats["tenants"]:
-            rows.append((t, "-", "0", human(0), human(0), human(0)))
-    _table(rows)
+    print("\n".join(status_lines(stats)))
     return 0
 
 
-def _table(rows: list[tuple[str, ...]]) -> None:
+def cmd_top(args: argparse.Namespace) -> int:
+    """Refresh per-tenant hit rate, throughput and evictions per second."""
+    mountpoint = os.path.abspath(args.mountpoint)
+    prev, prev_t = read_stats(mountpoint), time.monotonic()
+    shown = 0
+    while args.count is None or shown < args.count:
+        time.sleep(args.interval)
+        cur, now = read_stats(mountpoint), time.monotonic()
+        dt = max(now - prev_t, 1e-9)
+        rows = [("TENANT", "NAMESPACE", "HIT%", "HIT%NOW", "READ/s", "WRITE/s", "EVICT/s",
+                 "BYTES")]
+        for tenant, spaces in sorted(cur["tenants"].items()):
+            for ns, c in sorted(spaces.items()):
+                p = prev["tenants"].get(tenant, {}).get(ns) or dict.fromkeys(c, 0)
+                d = {k: c[k] - p.get(k, 0) for k in c}
+                rows.append((tenant, ns or "-", _hit_pct(c), _hit_pct(d),
+                             human((d["read_bytes"] + d["direct_read_bytes"]) / dt) + "/s",
+                             human((d["write_bytes"] + d["published_bytes"]) / dt) + "/s",
+                             f"{(d['evictions'] + d['demotions'] + d['expirations']) / dt:.1f}",
+                             human(c["bytes"])))
+        if sys.stdout.isatty():
+            print("\033[H\033[2J", end="")
+        print("\n".join(status_lines(cur)[:2] + _table_lines(rows)), flush=True)
+        prev, prev_t = cur, now
+        shown += 1
+    return 0
+
+
+def _table_lines(rows: list[tuple[str, ...]]) -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    print("\n".join(_table_lines(rows)))
 
 
 # -- tenants -----------------------------------------------------------------------------
@@ -403,6 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: derived from the block size)")
     m.add_argument("--tier-cooldown", type=float, dest="tier_cooldown",
                    help="seconds a failing lower tier is left alone before a retry (10)")
+    m.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT")
+    m.add_argument("--audit", help="append a JSON line per operation to this file")
     m.add_argument("--debug", action="store_true")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
@@ -416,6 +468,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint")
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=cmd_status)
+
+    tp = sub.add_parser("top", help="live per-tenant hit rate, throughput, evictions")
+    tp.add_argument("mountpoint")
+    tp.add_argument("--interval", type=float, default=1.0)
+    tp.add_argument("--count", type=int, help="refreshes before exiting (default: forever)")
+    tp.set_defaults(func=cmd_top)
 
     t = sub.add_parser("tenant", help="manage tenants")
     tsub = t.add_subparsers(dest="tenant_command", required=True)

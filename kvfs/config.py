@@ -26,6 +26,8 @@ KEYS: dict[str, type] = {
     "write_through": bool,
     "fetch_timeout": float,
     "tier_cooldown": float,
+    "metrics": str,
+    "audit": str,
 }
 
 

@@ -19,6 +19,7 @@ import os
 import re
 import stat
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,6 +29,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from . import __version__, blockfile, control, hashing
+from .audit import Audit
 from .capacity import Budget, Limits, quota_overflow
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .policy import Policy, policy_by_name
@@ -43,7 +45,9 @@ TENANT_RE = re.compile(rb"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 #: How long the kernel may cache names and attributes. The daemon is the only writer of the
 #: namespace; changes it makes on its own (eviction) invalidate the kernel's entries.
 ENTRY_TIMEOUT = 10.0
-BLKSIZE = 128 * 1024  # st_blksize: the size of one FUSE read request
+BLKSIZE = 128 * 1024
+#: Seconds within which repeated lookups of one missing name count as one miss.
+MISS_WINDOW = 60.0  # st_blksize: the size of one FUSE read request
 
 # Virtual nodes, in the reserved inode range below index.FIRST_REAL_INODE.
 VDIR = 2
@@ -105,6 +109,10 @@ class Handle:
     writable: bool = False
     key: Key = (0, 0)
     content: bytes | None = None  # virtual files: a snapshot taken at open
+    uid: int = 0  # who opened it (for the audit log)
+    pid: int = 0
+    nread: int = 0
+    nwritten: int = 0
 
 
 @dataclass
@@ -137,6 +145,7 @@ class Operations(pyfuse3.Operations):
         owner_uid: int = 0,
         io_threads: int = 32,
         tiering: Tiering | None = None,
+        audit: Audit | None = None,
     ) -> None:
         super().__init__()
         self.index = index
@@ -157,6 +166,8 @@ class Operations(pyfuse3.Operations):
         self.evicting: set[int] = set()
         self._evict_wanted: trio.Event | None = None
         self.tiering = tiering
+        self.audit = audit
+        self._recent_misses: OrderedDict[tuple[int, bytes], float] = OrderedDict()
         self._nursery: trio.Nursery | None = None
         self._load_policies()
 
@@ -469,6 +480,20 @@ class Operations(pyfuse3.Operations):
     def _key(self, node: Node) -> Key:
         return (node.tenant, node.ns)
 
+    def _audit(self, uid: int, pid: int, node: Node, op: str, *, blocks: int = 0,
+               nbytes: int = 0, path: bytes | None = None, **extra: Any) -> None:
+        """One audit record, when the audit log is on."""
+        if self.audit is None:
+            return
+        names = self.names_of({node.tenant, node.ns} - {0})
+        try:
+            shown = (path if path is not None else self._path(node)).decode(errors="replace")
+        except FUSEError:
+            shown = node.name.decode(errors="replace")
+        self.audit.record(uid=uid, pid=pid, tenant=names.get(node.tenant, ""),
+                          model=names.get(node.ns, ""), op=op, path=shown, blocks=blocks,
+                          nbytes=nbytes, **extra)
+
     def _unaccount(self, node: Node) -> None:
         """Take a file's hot copy out of the accounting and the eviction policy."""
         if node.is_reg and not node.tier:
@@ -538,8 +563,19 @@ class Operations(pyfuse3.Operations):
                 node = await self._fetch_block(parent, name, None)
                 if node is not None:
                     return node
-        self.stats.by_ns[self._key(parent)].mount_misses += 1
+        self._count_miss(parent, name)
         return None
+
+    def _count_miss(self, parent: Node, name: bytes) -> None:
+        """A miss through the mount, counted once per name: an engine's exists() and the
+        kernel's lookup before the create that follows it are one miss, not two."""
+        key, now = (parent.inode, name), time.monotonic()
+        seen = self._recent_misses.pop(key, None)
+        self._recent_misses[key] = now
+        if len(self._recent_misses) > 4096:
+            self._recent_misses.popitem(last=False)
+        if seen is None or now - seen > MISS_WINDOW:
+            self.stats.by_ns[self._key(parent)].mount_misses += 1
 
     async def _fan_dir(self, ns_node: Node, name: bytes) -> Node:
         path = self._join(self._path(ns_node), name)
@@ -719,6 +755,7 @@ class Operations(pyfuse3.Operations):
         tenant, ns = self._child_place(parent, stat.S_IFDIR)
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFDIR | mode,
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns)
+        self._audit(ctx.uid, ctx.pid, node, "mkdir", path=path)
         self._ref(node.inode)
         return self._attrs(node)
 
@@ -734,6 +771,7 @@ class Operations(pyfuse3.Operations):
         if self.index.has_children(node.inode):
             raise FUSEError(errno.ENOTEMPTY)
         await self._io(self.store.rmdir, self._path(node))
+        self._audit(ctx.uid, ctx.pid, node, "rmdir")
         self._drop(node)
 
     # -- files ----------------------------------------------------------------------------
@@ -744,7 +782,7 @@ class Operations(pyfuse3.Operations):
             of = self.open_files[node.inode] = OpenFile(size=node.size, mtime_ns=node.mtime_ns)
         return of
 
-    def _register(self, node: Node, fd: int, writable: bool) -> int:
+    def _register(self, node: Node, fd: int, writable: bool, ctx: Any = None) -> int:
         of = self._open_state(node)
         of.handles += 1
         if writable:
@@ -754,7 +792,10 @@ class Operations(pyfuse3.Operations):
                 of.size = node.size
                 # Being written: not a block any more until its last writer closes it.
                 self.index.update(node.inode, writing=1, block_hash=None, parent_hash=None)
-        return self._new_fh(Handle(node.inode, fd, writable, self._key(node)))
+        h = Handle(node.inode, fd, writable, self._key(node))
+        if ctx is not None:
+            h.uid, h.pid = ctx.uid, ctx.pid
+        return self._new_fh(h)
 
     @staticmethod
     def _backing_flags(flags: int) -> int:
@@ -786,7 +827,7 @@ class Operations(pyfuse3.Operations):
                                  writing=int(writable))
         self.stats.account(self._key(node), 1, 0)
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())
-        fh = self._register(node, fd, writable)
+        fh = self._register(node, fd, writable, ctx)
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
         return fi, self._attrs(node)
@@ -834,7 +875,7 @@ class Operations(pyfuse3.Operations):
             except BaseException:
                 os.close(fd)
                 raise
-        fh = self._register(node, fd, writable)
+        fh = self._register(node, fd, writable, ctx)
         now = time.time_ns()
         if truncate:
             of = self.open_files[inode]
@@ -854,6 +895,7 @@ class Operations(pyfuse3.Operations):
             return h.content[off:off + size]
         data = await self._io(os.pread, h.fd, size, off)
         self.stats.read(h.key, len(data))
+        h.nread += len(data)
         return data
 
     @handler
@@ -878,6 +920,7 @@ class Operations(pyfuse3.Operations):
                 of.size -= short
         of.mtime_ns = time.time_ns()
         self.stats.write(h.key, n)
+        h.nwritten += n
         return n
 
     def _persist(self, inode: int) -> None:
@@ -904,6 +947,11 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if h.content is not None:
             return
+        if self.audit is not None:
+            node = self.index.find(h.inode)
+            if node is not None and (h.nread or h.nwritten or h.writable):
+                self._audit(h.uid, h.pid, node, "write" if h.writable else "read",
+                            nbytes=h.nwritten if h.writable else h.nread)
         try:
             await self._io(os.close, h.fd)
         finally:
@@ -982,6 +1030,7 @@ class Operations(pyfuse3.Operations):
         rel = self._path(node)
         if not node.tier:
             await self._io(self.store.unlink, rel)
+        self._audit(ctx.uid, ctx.pid, node, "unlink", nbytes=node.size, path=rel)
         if node.block_hash is not None and self.tiering is not None and self._nursery:
             # This host's lower-tier copy goes too; the shared tier's stays (other hosts may
             # be using it): its bucket's lifecycle rules expire it.
@@ -1041,6 +1090,8 @@ class Operations(pyfuse3.Operations):
         old_path = self._path(node)
         new_path = self._join(self._path(new_parent), name_new)
         await self._io(self.store.rename, old_path, new_path, flags)
+        self._audit(ctx.uid, ctx.pid, node, "rename", path=old_path,
+                    to=new_path.decode(errors="replace"))
         # Re-read everything: other requests may have run during the await.
         node = self.index.get(node.inode)
         new_parent = self.index.get(parent_new)
@@ -1134,9 +1185,13 @@ class Operations(pyfuse3.Operations):
         if name in control.COMMANDS:
             await self._command(node, name, value, ctx)
         elif name == self.PIN:
-            await self._pin(node, value.strip() not in (b"0", b"", b"false", b"no"))
+            pinned = value.strip() not in (b"0", b"", b"false", b"no")
+            await self._pin(node, pinned)
+            self._audit(ctx.uid, ctx.pid, node, "pin" if pinned else "unpin")
         elif name in self.LIMIT_XATTRS:
             await self._set_limit(node, self.LIMIT_XATTRS[name], value, ctx)
+            self._audit(ctx.uid, ctx.pid, node, "limit", limit=self.LIMIT_XATTRS[name],
+                        value=value.decode(errors="replace"))
         elif name.startswith(XATTR_PREFIX):
             raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
         else:
@@ -1195,6 +1250,9 @@ class Operations(pyfuse3.Operations):
         # The kernel has checked write permission on the directory (default_permissions).
         if not dnode.is_dir or dnode.ns == 0:
             raise FUSEError(errno.EINVAL)  # commands address a model-namespace directory
+        op = name.decode().rpartition(".")[2]
+        blocks = len(value) // control.HASH_LEN if name != control.ACCESS else 0
+        self._audit(ctx.uid, ctx.pid, dnode, op, blocks=blocks)
         try:
             if name == control.PUBLISH:
                 await self._publish(dnode, control.unpack_hashes(value), ctx)

@@ -19,8 +19,11 @@ import pyfuse3
 import trio
 
 from . import fsck
+from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
+from .metrics import Metrics
+from .notify import notify
 from .store import BackingStore
 from .tiering import Tiering
 from .tiers import parse_tier_url
@@ -51,6 +54,8 @@ class MountOptions:
     write_through: bool = True
     fetch_timeout: float | None = None
     tier_cooldown: float = 10.0  # seconds a failing tier is left alone (circuit open)
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint
+    audit: str | None = None  # path of the JSON-lines audit log
 
 
 def open_state_dir(backing: str) -> tuple[BackingStore, int]:
@@ -135,9 +140,19 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      scan_interval=opts.scan_interval)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
     tiering = make_tiering(opts)
+    audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
-                     tiering=tiering)
+                     tiering=tiering, audit=audit)
     ops.load_limits()
+    metrics = None
+    if opts.metrics:
+        try:
+            metrics = Metrics(opts.metrics, ops.snapshot)
+            metrics.start()
+        except (OSError, ValueError, ImportError) as exc:
+            index.set_meta("clean", "1")
+            index.close()
+            raise MountError(f"cannot serve metrics on {opts.metrics}: {exc}") from None
     try:
         pyfuse3.init(ops, mountpoint, mount_options(opts.debug))
     except RuntimeError as exc:
@@ -147,6 +162,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
     if ready is not None:
         ready()
+    notify("READY=1")
     signalled = False
 
     async def main() -> None:
@@ -164,12 +180,17 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
 
             nursery.start_soon(watch_signals)
             nursery.start_soon(ops.run_background)
+            if metrics is not None:
+                nursery.start_soon(metrics.run)
+            if audit is not None:
+                nursery.start_soon(audit.run)
             await pyfuse3.main(min_tasks=4, max_tasks=64)
             nursery.cancel_scope.cancel()
 
     try:
         trio.run(main)
     finally:
+        notify("STOPPING=1")
         try:
             pyfuse3.close(unmount=signalled)
         except OSError as exc:  # already unmounted by fusermount3 -u
@@ -181,6 +202,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         index.close()
         if tiering is not None:
             tiering.close()
+        if audit is not None:
+            audit.close()
         os.close(lock_fd)
         log.info("unmounted %s", mountpoint)
     return 0

@@ -1,0 +1,57 @@
+"""The audit log (`kvfs mount --audit FILE`): one JSON line per operation on cached KV.
+
+The cache is derived from prompts and is governed like them, so who read, wrote, removed or
+commanded what is recorded: time, uid, pid, tenant, model namespace, operation, blocks, bytes
+and the path. Records are buffered on the event loop and appended by a trio task through a
+worker thread twice a second (and at unmount); the daemon never waits on the log's disk.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import trio
+
+log = logging.getLogger(__name__)
+
+FLUSH_INTERVAL = 0.5
+
+
+class Audit:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        self._pending: list[str] = []
+
+    def record(self, *, uid: int, pid: int, tenant: str, model: str, op: str, path: str,
+               blocks: int = 0, nbytes: int = 0, **extra: Any) -> None:
+        rec = {"time": round(time.time(), 6), "uid": uid, "pid": pid, "tenant": tenant,
+               "model": model, "op": op, "path": path, "blocks": blocks, "bytes": nbytes}
+        rec.update(extra)
+        self._pending.append(json.dumps(rec, separators=(",", ":")))
+
+    def _take(self) -> bytes:
+        lines, self._pending = self._pending, []
+        return "".join(line + "\n" for line in lines).encode()
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(FLUSH_INTERVAL)
+            data = self._take()
+            if data:
+                try:
+                    await trio.to_thread.run_sync(os.write, self._fd, data)
+                except OSError as exc:
+                    log.error("audit log %s: %s (records dropped)", self.path, exc)
+
+    def close(self) -> None:
+        data = self._take()
+        try:
+            if data:
+                os.write(self._fd, data)
+        finally:
+            os.close(self._fd)
