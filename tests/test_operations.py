@@ -112,3 +112,54 @@ def test_top_and_status(mount):
     assert "acme" in out and "HIT%" in out
     out = kvfs("status", str(mount.mnt)).stdout
     assert "acme" in out and "4.0 KiB" in out
+
+
+def test_fstab_helper_translates_options():
+    from kvfs.fstab import translate
+
+    assert translate("/b", "/m", "rw,_netdev,capacity=500G,shared=s3://k/p?region=x,debug,"
+                     "x-systemd.automount,noauto") == [
+        "mount", "/b", "/m", "--capacity", "500G", "--shared", "s3://k/p?region=x", "--debug"]
+    with pytest.raises(ValueError, match="capacty"):
+        translate("/b", "/m", "capacty=1G")
+
+
+def test_mount_t_fuse_kvfs(mount_factory, tmp_path):
+    helper = os.path.join(os.path.dirname(sys.executable), "mount.fuse.kvfs")
+    if not os.path.exists(helper):
+        pytest.skip("kvfs is not installed with its console scripts")
+    m = mount_factory(start=False)
+    link = "/sbin/mount.fuse.kvfs"
+    made = False
+    if not os.path.lexists(link):
+        os.symlink(helper, link)
+        made = True
+    try:
+        res = subprocess.run(["mount", "-t", "fuse.kvfs", str(m.backing), str(m.mnt), "-o",
+                              f"capacity=64M,log={m.log},noauto,_netdev"],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr
+        assert os.path.ismount(m.mnt)
+        assert m.stats()["capacity_bytes"] == 64 << 20
+        res = subprocess.run(["mount", "-t", "fuse.kvfs", str(m.backing), str(tmp_path), "-o",
+                              "bogus=1"], capture_output=True, text=True)
+        assert res.returncode != 0 and "bogus" in res.stderr
+    finally:
+        if made:
+            os.unlink(link)
+
+
+def test_systemd_unit_verifies(tmp_path):
+    import shutil
+
+    if shutil.which("systemd-analyze") is None:
+        pytest.skip("systemd-analyze not installed")
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    unit = open(os.path.join(here, "systemd", "kvfs@.service")).read()
+    kvfs_bin = os.path.join(os.path.dirname(sys.executable), "kvfs")
+    path = tmp_path / "kvfs@cache.service"
+    path.write_text(unit.replace("/usr/local/bin/kvfs", kvfs_bin))
+    res = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True,
+                         text=True)
+    assert res.returncode == 0 and "kvfs@cache.service" not in res.stderr, res.stderr
+    assert "Type=notify" in unit
