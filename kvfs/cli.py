@@ -358,6 +358,36 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm(args: argparse.Namespace) -> int:
+    """Promote every block below PATH that lives in a lower tier (reading it through the
+    mount fetches, verifies and places it hot), with progress."""
+    todo = []
+    for d, _, files in os.walk(args.path):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.getxattr(p, "user.kvfs.tier") != b"hot":
+                    todo.append(p)
+            except OSError as exc:
+                raise CliError(f"{p}: {exc.strerror} (is {args.path} in a kvfs mount?)") from None
+    done = failed = 0
+    start = time.monotonic()
+    for p in todo:
+        try:
+            with open(p, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+            done += 1
+        except OSError:
+            failed += 1
+        print(f"\rkvfs warm: {done + failed}/{len(todo)} blocks", end="", file=sys.stderr,
+              flush=True)
+    print("", file=sys.stderr)
+    print(f"kvfs: warmed {done} blocks in {time.monotonic() - start:.1f} s"
+          + (f", {failed} could not be fetched (misses)" if failed else ""))
+    return EXIT_FAIL if failed else 0
+
+
 def cmd_pin(args: argparse.Namespace) -> int:
     value = b"0" if args.unpin else b"1"
     count = 0
@@ -497,6 +527,10 @@ def build_parser() -> argparse.ArgumentParser:
     tl = tsub.add_parser("list", help="list tenants")
     tl.add_argument("mountpoint")
     tl.set_defaults(func=cmd_tenant_list)
+
+    w = sub.add_parser("warm", help="promote a namespace's blocks from the lower tiers")
+    w.add_argument("path", help="a directory in the mount (a tenant or model namespace)")
+    w.set_defaults(func=cmd_warm)
 
     for cmd, unpin in (("pin", False), ("unpin", True)):
         pp = sub.add_parser(cmd, help=f"{cmd} files: pinned files are never evicted or expired")

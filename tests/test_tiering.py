@@ -119,3 +119,23 @@ def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_pa
         assert cb.load(hashes, out) == 6
         assert torch.equal(out, kv_in)
     assert b.stats()["tiers"][0]["hits"] == 6
+
+
+def test_kvfs_warm_promotes_a_namespace(mount_factory, tmp_path):
+    cold = tmp_path / "cold"
+    m = mount_factory(extra=["--capacity", "2M", "--cold", f"dir://{cold}"])
+    ns = setup(m)
+    blocks = [block(i) for i in range(40)]  # 2.5 MiB: some are demoted
+    for h, d in blocks:
+        put(ns, h, d)
+    cold_before = [h for h, _ in blocks if os.getxattr(
+        ns / hashing.block_relpath(h), "user.kvfs.tier") == b"cold"]
+    assert cold_before
+    kvfs("tenant", "set", str(m.mnt), "t", "--quota", "none")
+    m.stop()
+    m.extra = ["--capacity", "8M", "--cold", f"dir://{cold}"]
+    m.start()
+    res = kvfs("warm", str(ns))
+    assert f"warmed {len(cold_before)} blocks" in res.stdout
+    assert all(os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
+               for h, _ in blocks)
