@@ -285,7 +285,7 @@ class Operations(pyfuse3.Operations):
                 # Eviction demotes blocks to the next tier down instead of deleting them.
                 async def demote(node: Node, rel: bytes) -> None:
                     if await tiering.demote(self._tier_key(rel),
-                                            os.fsdecode(self.store.path(rel))):
+                                            os.fsdecode(self.store.path(rel)), node.size):
                         demoted.add(node.inode)
 
                 async with trio.open_nursery() as nursery:

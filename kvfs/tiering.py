@@ -206,7 +206,7 @@ class Tiering:
             return got
         return None
 
-    async def demote(self, key: str, path: str) -> int:
+    async def demote(self, key: str, path: str, size: int) -> int:
         """Put a block being evicted into the first lower tier: its 1-based index, 0 if it
         could not be placed there (then the block is simply deleted)."""
         if not self.tiers:
@@ -217,7 +217,7 @@ class Tiering:
             return 0
         try:
             done, _ = await self._call(0, self.tiers[0].put, key, path,
-                                       timeout=self.deadline(os.path.getsize(path)) * 4)
+                                       timeout=self.deadline(size) * 4)
         except (TierError, OSError) as exc:
             breaker.failure()
             c.demotion_failures += 1
