@@ -45,9 +45,11 @@ TENANT_RE = re.compile(rb"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 #: How long the kernel may cache names and attributes. The daemon is the only writer of the
 #: namespace; changes it makes on its own (eviction) invalidate the kernel's entries.
 ENTRY_TIMEOUT = 10.0
-BLKSIZE = 128 * 1024
+BLKSIZE = 128 * 1024  # st_blksize: the size of one FUSE read request
 #: Seconds within which repeated lookups of one missing name count as one miss.
-MISS_WINDOW = 60.0  # st_blksize: the size of one FUSE read request
+MISS_WINDOW = 60.0
+#: A create this soon after the one failed lookup of its name is a creation, not a miss.
+CREATE_WINDOW = 2.0
 
 # Virtual nodes, in the reserved inode range below index.FIRST_REAL_INODE.
 VDIR = 2
@@ -167,7 +169,8 @@ class Operations(pyfuse3.Operations):
         self._evict_wanted: trio.Event | None = None
         self.tiering = tiering
         self.audit = audit
-        self._recent_misses: OrderedDict[tuple[int, bytes], float] = OrderedDict()
+        # (parent, name) of recent failed lookups -> [first seen, lookups since]
+        self._recent_misses: OrderedDict[tuple[int, bytes], list[float]] = OrderedDict()
         self._nursery: trio.Nursery | None = None
         self._load_policies()
 
@@ -571,11 +574,20 @@ class Operations(pyfuse3.Operations):
         kernel's lookup before the create that follows it are one miss, not two."""
         key, now = (parent.inode, name), time.monotonic()
         seen = self._recent_misses.pop(key, None)
-        self._recent_misses[key] = now
+        if seen is None or now - seen[0] > MISS_WINDOW:
+            seen = [now, 0]
+            self.stats.by_ns[self._key(parent)].mount_misses += 1
+        seen[1] += 1
+        self._recent_misses[key] = seen
         if len(self._recent_misses) > 4096:
             self._recent_misses.popitem(last=False)
-        if seen is None or now - seen > MISS_WINDOW:
-            self.stats.by_ns[self._key(parent)].mount_misses += 1
+
+    def _creating(self, parent: Node, name: bytes) -> None:
+        """A name is being created. If its only failed lookup was the kernel's, just before
+        the create (a temporary, a new directory), that was no cache miss: take it back."""
+        seen = self._recent_misses.pop((parent.inode, name), None)
+        if seen is not None and seen[1] == 1 and time.monotonic() - seen[0] < CREATE_WINDOW:
+            self.stats.by_ns[self._key(parent)].mount_misses -= 1
 
     async def _fan_dir(self, ns_node: Node, name: bytes) -> Node:
         path = self._join(self._path(ns_node), name)
@@ -746,6 +758,7 @@ class Operations(pyfuse3.Operations):
         parent = self._check_parent(parent_inode, is_dir=True, name=name, ctx=ctx)
         if self.index.lookup(parent.inode, name) is not None:
             raise FUSEError(errno.EEXIST)
+        self._creating(parent, name)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         if parent.mode & stat.S_ISGID:
             mode |= stat.S_ISGID
@@ -810,6 +823,7 @@ class Operations(pyfuse3.Operations):
         parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
         if self.index.lookup(parent.inode, name) is not None:
             raise FUSEError(errno.EEXIST)
+        self._creating(parent, name)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
@@ -1045,6 +1059,7 @@ class Operations(pyfuse3.Operations):
         parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
         if self.index.lookup(parent.inode, name) is not None:
             raise FUSEError(errno.EEXIST)
+        self._creating(parent, name)
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
         await self._io(self.store.symlink, target, path, ctx.uid, gid)

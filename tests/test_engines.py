@@ -701,10 +701,6 @@ def test_kvfs_client_round_trip(mount):
 # -- what the mount counts -----------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvfs bug: the kernel's lookup of a temporary's name before it is created reaches "
-    "Operations.lookup and is counted as a cache miss (only a repeated lookup of one name is "
-    "folded into one miss), so every block written as temporary + rename adds a second miss"))
 def test_temporaries_are_not_cache_misses(mount):
     """vLLM, llm-d, recent SGLang and LMCache GDS all store a block as: exists(name)? no ->
     write <name>_<n>.tmp -> rename onto <name>. One cache lookup failed per block: one miss."""
@@ -719,4 +715,9 @@ def test_temporaries_are_not_cache_misses(mount):
         tmp = Path(f"{dest}_1234.tmp")
         tmp.write_bytes(payload(i, PAGE))
         os.replace(tmp, dest)
+    assert hits_misses(mount, "engine") == (before[0], before[1] + blocks)
+    # New directories are creations too, not misses (os.makedirs would probe with exists()
+    # first: an application's failed lookup, which is a miss).
+    for d in (ns / "x", ns / "x" / "y", ns / "x" / "y" / "z"):
+        os.mkdir(d)
     assert hits_misses(mount, "engine") == (before[0], before[1] + blocks)
