@@ -27,7 +27,6 @@ aside until its last child goes; it then rejoins the old end, in order, as the n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 
 Key = Hashable
@@ -153,18 +152,16 @@ class _Queue:
     def count(self) -> int:
         return self.order.count + self.parked.count + self.ready.count + self.held.count
 
-    def first(
-        self, rescue: Callable[[_Node], bool] | None = None, inner: bool = False
-    ) -> _Node | None:
-        """The oldest tail that ``rescue`` does not keep (it moves the nodes it keeps).
+    def first(self, rescue: Callable[[_Node], bool] | None = None) -> _Node | None:
+        """The oldest tail, after ``rescue`` saw the nodes before it.
 
-        With ``inner``, ``rescue`` sees non-tails too before they are parked.
+        ``rescue(node)`` True: the node was moved elsewhere (a second chance), look further.
         """
         for lst in (self.ready, self.order):
             node = lst.next
             while node is not lst:
                 nxt = node.next
-                if rescue is not None and (inner or not node.kids) and rescue(node):  # type: ignore[arg-type]
+                if rescue is not None and rescue(node):  # type: ignore[arg-type]
                     pass
                 elif node.kids:  # not a tail: park it until its last child goes
                     lst.unlink(node)  # type: ignore[arg-type]
@@ -349,6 +346,35 @@ class ChainLRU(LRU):
     chain_aware = True
 
 
+class _Ghosts:
+    """Keys of recent evictions, about the last ``limit`` of them (2/3 to 4/3 of it).
+
+    Two generations of sets rather than one ordered FIFO: less memory, same use.
+    """
+
+    __slots__ = ("new", "old")
+
+    def __init__(self) -> None:
+        self.new: set[Key] = set()
+        self.old: set[Key] = set()
+
+    def add(self, key: Key, limit: int) -> None:
+        self.new.add(key)
+        if 3 * len(self.new) >= 2 * limit:
+            self.old, self.new = self.new, set()
+
+    def pop(self, key: Key) -> bool:
+        """Whether ``key`` was remembered; it is forgotten."""
+        for gen in (self.new, self.old):
+            if key in gen:
+                gen.discard(key)
+                return True
+        return False
+
+    def __len__(self) -> int:
+        return len(self.new) + len(self.old)
+
+
 class S3FIFO(ChainPolicy):
     """S3-FIFO (Yang et al., SOSP '23), chain-aware.
 
@@ -356,7 +382,8 @@ class S3FIFO(ChainPolicy):
     moves on to the main FIFO, one never read is evicted and leaves a ghost; a block whose
     ghost is remembered enters the main FIFO directly. At the head of the main FIFO a block
     read since it was last there is reinserted (a 2-bit counter, as in CLOCK), the others are
-    evicted. The ghost FIFO holds as many keys as the main FIFO holds blocks.
+    evicted. Ghosts: about as many as the main FIFO holds blocks. Non-tails get their second
+    chances too; those without one are parked until they become tails.
     """
 
     name = "s3fifo"
@@ -367,14 +394,10 @@ class S3FIFO(ChainPolicy):
         self._small = _Queue()
         self._main = _Queue()
         self._queues = (self._small, self._main)
-        self._ghosts: OrderedDict[Key, None] = OrderedDict()
+        self._ghosts = _Ghosts()
 
     def _place(self, node: _Node, now: float) -> None:
-        if node.key in self._ghosts:
-            del self._ghosts[node.key]
-            self._move(node, self._main)
-        else:
-            self._move(node, self._small)
+        self._move(node, self._main if self._ghosts.pop(node.key) else self._small)
 
     def _hit(self, node: _Node, now: float) -> None:
         node.freq = min(node.freq + 1, 3)  # access() cleared the flags
@@ -394,24 +417,81 @@ class S3FIFO(ChainPolicy):
         return False
 
     def _pick(self) -> _Node | None:
-        small, main = self._small, self._main
-        if small.bytes >= self.small_share * self.bytes:
-            node = small.first(self._promote, inner=True)
-            return node if node is not None else main.first(self._reinsert)
-        node = main.first(self._reinsert)
-        return node if node is not None else small.first(self._promote, inner=True)
+        if self._small.bytes >= self.small_share * self.bytes:
+            return self._small.first(self._promote) or self._main.first(self._reinsert)
+        return self._main.first(self._reinsert) or self._small.first(self._promote)
 
     def _evicted(self, node: _Node, queue: _Queue) -> None:
-        if queue is not self._small:
-            return
-        ghosts = self._ghosts
-        ghosts[node.key] = None
-        while len(ghosts) > max(self._main.count, 1):
-            ghosts.popitem(last=False)
+        if queue is self._small:
+            self._ghosts.add(node.key, max(self._main.count, 1))
 
 
-POLICIES = ["lru", "chain-lru", "s3fifo"]
-_CLASSES: dict[str, type[Policy]] = {c.name: c for c in (LRU, ChainLRU, S3FIFO)}
+class KvfsPolicy(ChainPolicy):
+    """The default: chain-aware LRU over two segments, with a learned bias against new blocks.
+
+    Blocks not read since they were cached are in ``new``; blocks read since, and blocks cached
+    again while a ghost of their eviction is remembered, are in ``reused``. Both are in
+    recency order and share one clock. The victim is the older of the two segments' oldest
+    tails, where a ``new`` block's age counts ``weight`` times: at weight 1 this is exactly
+    chain-aware LRU; higher, blocks that were never reused (one-off tails, scans) go first
+    and blocks that proved useful stay longer.
+
+    The weight is learned, as ARC learns its target size: two small ghost lists remember the
+    last ~5 % of each segment's evictions (of the number of entries); a block cached again
+    that was evicted lately from ``new`` would have been a hit with a lower weight, one from
+    ``reused`` with a higher one, and the weight moves 2 % that way, within [1, 64]. It starts
+    at 1, so without evidence, or with keys that never recur (inode numbers of rewritten
+    files), the policy is chain-aware LRU. The ghosts of the last ~2 x entries evictions
+    admit a block cached again straight into ``reused``.
+    """
+
+    name = "kvfs"
+    ghosts = 2.0  # admission ghosts, per entry
+    margin = 0.05  # learning ghosts of each segment, per entry
+    step = 0.02
+    max_weight = 64.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._new = _Queue()
+        self._reused = _Queue()
+        self._queues = (self._new, self._reused)
+        self.weight = 1.0
+        self._ghosts = _Ghosts()
+        self._lost_new = _Ghosts()
+        self._lost_reused = _Ghosts()
+
+    def _place(self, node: _Node, now: float) -> None:
+        key = node.key
+        early, late = self._lost_new.pop(key), self._lost_reused.pop(key)
+        if early != late:
+            factor = 1.0 - self.step if early else 1.0 + self.step
+            self.weight = min(self.max_weight, max(1.0, self.weight * factor))
+        if self._ghosts.pop(key) or node.freq & 1:  # (freq & 1: reused before it was pinned)
+            self._hit(node, now)
+        else:
+            self._move(node, self._new)
+
+    def _hit(self, node: _Node, now: float) -> None:
+        node.freq = 1
+        self._move(node, self._reused)
+
+    def _pick(self) -> _Node | None:
+        a, b = self._new.first(), self._reused.first()
+        if a is None or b is None:
+            return a or b
+        clock = self._clock
+        return a if (clock - a.stamp) * self.weight >= clock - b.stamp else b
+
+    def _evicted(self, node: _Node, queue: _Queue) -> None:
+        n = len(self._nodes) + 1
+        self._ghosts.add(node.key, int(self.ghosts * n) + 2)
+        lost = self._lost_new if queue is self._new else self._lost_reused
+        lost.add(node.key, int(self.margin * n) + 2)
+
+
+POLICIES = ["kvfs", "lru", "chain-lru", "s3fifo"]
+_CLASSES: dict[str, type[Policy]] = {c.name: c for c in (KvfsPolicy, LRU, ChainLRU, S3FIFO)}
 
 
 def policy_by_name(name: str) -> Policy:
