@@ -17,6 +17,7 @@ from typing import Any
 
 from . import __version__
 from .config import ConfigError, load, parse_size
+from .policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("kvfs")
 
@@ -81,7 +82,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         capacity=parse_size(capacity) if capacity is not None else None,
         debug=args.debug or bool(conf.get("debug", False)),
         io_threads=int(conf.get("io_threads", 32)),
-        policy=pick("policy", "lru"),
+        policy=pick("policy", DEFAULT_POLICY),
         high_watermark=float(pick("high_watermark", 0.95)),
         low_watermark=float(pick("low_watermark", 0.90)),
         scan_interval=float(pick("scan_interval", 60.0)),
@@ -140,7 +141,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 def _validate(opts: Any) -> None:
     from .capacity import Budget  # noqa: PLC0415
-    from .policy import POLICIES  # noqa: PLC0415
 
     Budget(opts.capacity, opts.high_watermark, opts.low_watermark)
     if opts.policy not in POLICIES:
@@ -466,7 +466,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached")
     m.add_argument("--config", help="TOML config file; the command line overrides it")
     m.add_argument("--log", help="log file (default: BACKING/.kvfs/daemon.log in background)")
-    m.add_argument("--policy", help="eviction policy (default lru)")
+    m.add_argument("--policy", choices=POLICIES,
+                   help=f"eviction policy (default {DEFAULT_POLICY})")
     m.add_argument("--high-watermark", type=float, dest="high_watermark",
                    help="start background eviction above this fraction of capacity (0.95)")
     m.add_argument("--low-watermark", type=float, dest="low_watermark",

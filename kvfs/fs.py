@@ -20,7 +20,7 @@ import re
 import stat
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -32,7 +32,7 @@ from . import __version__, blockfile, control, hashing
 from .audit import Audit
 from .capacity import Budget, Limits, quota_overflow
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
-from .policy import Policy, policy_by_name
+from .policy import DEFAULT_POLICY, Policy, policy_by_name
 from .stats import Key, Stats
 from .store import BackingStore
 from .tiering import Tiering
@@ -124,7 +124,7 @@ class MountInfo:
     mountpoint: str
     backing: str
     capacity: int | None
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     #: Seconds between retention scans.
@@ -182,18 +182,49 @@ class Operations(pyfuse3.Operations):
             p = self.policies[tenant] = policy_by_name(self.info.policy)
         return p
 
-    def _load_policies(self) -> None:
-        """Rebuild the eviction policies' state from the index, oldest access first."""
-        for inode, tenant, size, parent, pinned in self.index.cached_files():
-            p = self._policy(tenant)
-            p.insert(inode, size, parent=parent, now=0.0)
-            if pinned:
-                p.pin(inode, True)
+    @staticmethod
+    def _pkey(node: Node) -> Hashable:
+        """A file's key in its tenant's policy: (namespace, hash) for a complete block, so
+        that a block cached again is known again (ghosts, admission); else its inode."""
+        return (node.ns, node.block_hash) if node.block_hash is not None else node.inode
+
+    @staticmethod
+    def _parent_key(node: Node) -> Hashable | None:
+        p = node.parent_hash
+        return (node.ns, p) if p is not None and p != hashing.ROOT_PARENT else None
+
+    def _inode_of(self, key: Hashable) -> int | None:
+        if isinstance(key, int):
+            return key
+        found = self.index.find_block(*key)  # type: ignore[misc]
+        return found.inode if found is not None else None
+
+    def _load_policies(self, tenant: int | None = None) -> None:
+        """Rebuild the eviction policies' state from the index, oldest access first (of one
+        tenant, after a move that changed its files' keys; of all, at mount)."""
+        if tenant is not None:
+            self.policies.pop(tenant, None)
+        for node in self.index.cached_files():
+            if tenant is not None and node.tenant != tenant:
+                continue
+            p = self._policy(node.tenant)
+            key = self._pkey(node)
+            p.insert(key, node.size, parent=self._parent_key(node), now=0.0)
+            if node.pinned:
+                p.pin(key, True)
 
     def load_limits(self) -> None:
         """Read every tenant's limits from its backing directory (blocking: before serving)."""
         for t in self.index.tenants():
             self.limits[t.inode] = self.store.read_limits(t.name)
+
+    async def settle(self) -> None:
+        """Before serving: a hot tier found above its high watermark (blocks placed just
+        before a crash, a capacity lowered between mounts) is evicted down to the low one."""
+        need = self.budget.excess(self.stats.used_bytes)
+        if need:
+            freed = await self.evict(need)
+            log.info("over capacity at mount: evicted %d bytes", freed)
 
     async def run_background(self) -> None:
         """The daemon's own tasks: eviction above the high watermark, retention."""
@@ -244,19 +275,24 @@ class Operations(pyfuse3.Operations):
             if policy is None:
                 continue
             stale = []
-            for inode in policy.victims():
+            offered = policy.victims()
+            for key in offered:
+                inode = self._inode_of(key)
                 if inode in self.open_files or inode in self.evicting:
                     continue  # being read or written: never evicted
-                node = self.index.find(inode)
-                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg:
-                    stale.append(inode)
+                node = self.index.find(inode) if inode is not None else None
+                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
+                    stale.append(key)
                     continue
+                # Out of the policy at once, so that its parent may become the next victim.
+                policy.remove(key)
                 chosen.append(node)
                 freed += node.size
                 if freed >= need:
                     break
-            for inode in stale:
-                policy.remove(inode)
+            offered.close()
+            for key in stale:
+                policy.remove(key)
             if freed >= need:
                 break
         return chosen
@@ -502,7 +538,7 @@ class Operations(pyfuse3.Operations):
         if node.is_reg and not node.tier:
             policy = self.policies.get(node.tenant)
             if policy is not None:
-                policy.remove(node.inode)
+                policy.remove(self._pkey(node))
             self.stats.account(self._key(node), -1, -self._size_of(node))
 
     def _drop(self, node: Node) -> None:
@@ -635,7 +671,7 @@ class Operations(pyfuse3.Operations):
         current = self.index.get(current.inode)
         self.stats.account(self._key(current), 1, got.size)
         self.stats.by_ns[self._key(current)].promotions += 1
-        self._cache_block(current, got.header.parent_hash)
+        self._cache_block(current)
         return current
 
     @handler
@@ -703,6 +739,7 @@ class Operations(pyfuse3.Operations):
                 of.size, of.mtime_ns = new_size, now
             changes.update(size=new_size, block_hash=None, parent_hash=None)
             changes.setdefault("mtime_ns", now)
+            self._unblock(node)
         changes["ctime_ns"] = now
         self.index.update(inode, **changes)
         return self._attrs(self.index.get(inode))
@@ -804,6 +841,7 @@ class Operations(pyfuse3.Operations):
                 of.dirty = True
                 of.size = node.size
                 # Being written: not a block any more until its last writer closes it.
+                self._unblock(node)
                 self.index.update(node.inode, writing=1, block_hash=None, parent_hash=None)
         h = Handle(node.inode, fd, writable, self._key(node))
         if ctx is not None:
@@ -840,7 +878,7 @@ class Operations(pyfuse3.Operations):
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
                                  writing=int(writable))
         self.stats.account(self._key(node), 1, 0)
-        self._policy(node.tenant).insert(node.inode, 0, now=time.time())
+        self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
         fh = self._register(node, fd, writable, ctx)
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
@@ -896,7 +934,7 @@ class Operations(pyfuse3.Operations):
             self.stats.account(self._key(node), 0, -of.size)
             of.size, of.mtime_ns = 0, now
         self.index.update(inode, atime_ns=now)
-        self._policy(node.tenant).access(inode, now / 1e9)
+        self._policy(node.tenant).access(self._pkey(node), now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self._key(node)].mount_hits += 1
         busy = writable or self.open_files[inode].writers > 0
@@ -995,6 +1033,7 @@ class Operations(pyfuse3.Operations):
         block_hash = hashing.parse_block_filename(node.name.decode(errors="replace"))
         if block_hash is None:
             if node.block_hash is not None:
+                self._unblock(node)
                 self.index.update(inode, block_hash=None, parent_hash=None)
             return
         head, size = await self._io(self.store.read_head, self._path(node), blockfile.HEADER_SIZE)
@@ -1011,7 +1050,7 @@ class Operations(pyfuse3.Operations):
         node = self.index.find(inode)
         if node is not None and inode not in self.open_files:
             self.index.update(inode, block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
-            self._cache_block(node, hdr.parent_hash)
+            self._cache_block(node)
             self._publish_shared(node)
 
     def _publish_shared(self, node: Node) -> None:
@@ -1020,15 +1059,23 @@ class Operations(pyfuse3.Operations):
             rel = self._path(node)
             self.tiering.enqueue_upload(self._tier_key(rel), os.fsdecode(self.store.path(rel)))
 
-    def _cache_block(self, node: Node, parent_hash: bytes) -> None:
+    def _unblock(self, node: Node) -> None:
+        """A block stops being one (truncated, renamed away): key its policy entry by inode."""
+        if node.block_hash is not None and not node.tier:
+            policy = self._policy(node.tenant)
+            policy.remove(self._pkey(node))
+            policy.insert(node.inode, node.size, now=time.time())
+
+    def _cache_block(self, node: Node) -> None:
         """(Re)enter a complete block into its tenant's policy, linked to its parent."""
-        parent = self.index.find_block(node.ns, parent_hash) if node.ns else None
+        node = self.index.get(node.inode)
         policy = self._policy(node.tenant)
         policy.remove(node.inode)
-        policy.insert(node.inode, node.size, parent=parent.inode if parent else None,
-                      now=time.time())
+        key = self._pkey(node)
+        policy.remove(key)
+        policy.insert(key, node.size, parent=self._parent_key(node), now=time.time())
         if node.pinned:
-            policy.pin(node.inode, True)
+            policy.pin(key, True)
 
     # -- names ----------------------------------------------------------------------------
 
@@ -1141,6 +1188,7 @@ class Operations(pyfuse3.Operations):
             return
         self.index.reassign_subtree(node.inode, tenant, ns)
         self.stats.reset_usage(self.index.usage_by_namespace())
+        self._load_policies(tenant)  # block keys carry their namespace
 
     # -- extended attributes --------------------------------------------------------------
 
@@ -1234,7 +1282,7 @@ class Operations(pyfuse3.Operations):
         await self._io(self.store.set_pin, self._path(node), pinned)
         node = self.index.get(node.inode)
         self.index.update(node.inode, pinned=int(pinned))
-        self._policy(node.tenant).pin(node.inode, pinned)
+        self._policy(node.tenant).pin(self._pkey(node), pinned)
 
     async def _set_limit(self, node: Node, name: str, value: bytes, ctx: Any) -> None:
         """Set a tenant's limit: only root (or the mount's owner), never the tenant itself."""
@@ -1306,16 +1354,35 @@ class Operations(pyfuse3.Operations):
             lambda: {f: self.store.lstat(self._join(dpath, f)) for f in fans
                      if os.path.isdir(self.store.path(self._join(dpath, f)))})
         inspected = await self._io(self._inspect_blocks, rels)
-        fresh = []
+        fresh, dropped = [], []
+        policy, now = self._policy(dnode.tenant), time.time()
+        placed: set[bytes] = set()
         for h, rel, (hdr, st) in zip(hashes, rels, inspected, strict=True):
             if st is None or hdr.block_hash != h:
                 log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
                             hdr if st is None else "header names another block")
+                if st is not None or not isinstance(hdr, FileNotFoundError):
+                    dropped.append(rel)
                 continue
             fnode = self.index.lookup(dnode.inode, h[:1].hex().encode())
-            if fnode is None or self.index.lookup(
-                    fnode.inode, hashing.block_filename(h).encode()) is None:
-                fresh.append((h, rel, hdr, st))
+            if fnode is not None and self.index.lookup(
+                    fnode.inode, hashing.block_filename(h).encode()) is not None:
+                placed.add(h)
+                continue  # content-addressed: publishing twice changes nothing
+            p = hdr.parent_hash
+            orphan = (p != hashing.ROOT_PARENT and p not in placed
+                      and self.index.find_block(dnode.ns, p) is None)
+            pkey = (dnode.ns, p) if p != hashing.ROOT_PARENT else None
+            if orphan or not policy.admit((dnode.ns, h), st.st_size, parent=pkey, now=now):
+                # A block whose prefix is not cached can never be a prefix hit; a block the
+                # policy would not keep is not worth the space. Neither is placed.
+                dropped.append(rel)
+                self.stats.by_ns[self._key(dnode)].refused_blocks += 1
+                continue
+            placed.add(h)
+            fresh.append((h, rel, hdr, st))
+        if dropped:
+            await self._io(self.store.unlink_many, dropped)
         try:
             await self._make_room(dnode, sum(st.st_size for _, _, _, st in fresh))
         except FUSEError:
@@ -1342,7 +1409,7 @@ class Operations(pyfuse3.Operations):
                                          tenant=dnode.tenant, ns=dnode.ns)
                 self.index.update(node.inode, block_hash=hdr.block_hash,
                                   parent_hash=hdr.parent_hash)
-                self._cache_block(node, hdr.parent_hash)
+                self._cache_block(node)
                 self._publish_shared(node)
                 self.stats.account(key, 1, st.st_size)
                 c.published_blocks += 1
@@ -1379,8 +1446,8 @@ class Operations(pyfuse3.Operations):
             now = time.time_ns()
             self.index.touch_blocks(dnode.ns, list(a.hashes), now)
             policy = self._policy(dnode.tenant)
-            for inode in self.index.block_inodes(dnode.ns, list(a.hashes)).values():
-                policy.access(inode, now / 1e9)
+            for h in a.hashes:
+                policy.access((dnode.ns, h), now / 1e9)
 
     def _verify_block(self, rel: bytes) -> str | None:
         """Thread: None if the block file is sound, else what is wrong with it."""

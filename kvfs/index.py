@@ -324,16 +324,13 @@ class Index:
             [(atime_ns, ns, h) for h in hashes],
         )
 
-    def cached_files(self) -> Iterator[tuple[int, int, int, int | None, int]]:
-        """(inode, tenant, size, parent block's inode or None, pinned) of every named regular
-        file, least recently accessed first: what the eviction policies start from."""
-        return self.db.execute(
-            "SELECT n.inode, n.tenant, n.size, p.inode, n.pinned FROM nodes n "
-            "LEFT JOIN nodes p ON p.ns = n.ns AND p.block_hash = n.parent_hash "
-            "AND n.parent_hash IS NOT NULL AND p.parent != ? "
-            "WHERE (n.mode & ?) = ? AND n.parent != ? AND n.tier = 0 ORDER BY n.atime_ns",
-            (ORPHAN_PARENT, 0o170000, stat.S_IFREG, ORPHAN_PARENT),
-        )
+    def cached_files(self) -> Iterator[Node]:
+        """Every named regular file of the hot tier, least recently accessed first: what the
+        eviction policies start from."""
+        rows = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE (mode & ?) = ? AND parent != ? AND tier = 0 "
+            "ORDER BY atime_ns", (0o170000, stat.S_IFREG, ORPHAN_PARENT))
+        return (_node(r) for r in rows)
 
     def block_inodes(self, ns: int, hashes: list[bytes]) -> dict[bytes, int]:
         out: dict[bytes, int] = {}

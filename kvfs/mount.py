@@ -24,6 +24,7 @@ from .fs import MountInfo, Operations
 from .index import Index
 from .metrics import Metrics
 from .notify import notify
+from .policy import DEFAULT_POLICY
 from .store import BackingStore
 from .tiering import Tiering
 from .tiers import parse_tier_url
@@ -45,7 +46,7 @@ class MountOptions:
     capacity: int | None = None
     debug: bool = False
     io_threads: int = 32
-    policy: str = "lru"
+    policy: str = DEFAULT_POLICY
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     scan_interval: float = 60.0
@@ -179,6 +180,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                         return
 
             nursery.start_soon(watch_signals)
+            await ops.settle()  # requests wait in the kernel meanwhile
             nursery.start_soon(ops.run_background)
             if metrics is not None:
                 nursery.start_soon(metrics.run)

@@ -491,6 +491,7 @@ class KvfsPolicy(ChainPolicy):
 
 
 POLICIES = ["kvfs", "lru", "chain-lru", "s3fifo"]
+DEFAULT_POLICY = "kvfs"
 _CLASSES: dict[str, type[Policy]] = {c.name: c for c in (KvfsPolicy, LRU, ChainLRU, S3FIFO)}
 
 

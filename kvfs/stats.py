@@ -30,6 +30,7 @@ class Counters:
     direct_read_bytes: int = 0
     published_blocks: int = 0
     published_bytes: int = 0
+    refused_blocks: int = 0  # published blocks not placed: prefix not cached, or not admitted
     checksum_failures: int = 0
     # The mount door: a failed lookup in a model namespace is a miss, an open for reading a
     # hit (an engine's exists() + open() is its cache lookup).
