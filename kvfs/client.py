@@ -195,6 +195,9 @@ class KVCache:
         self.verify, self.fsync = verify, fsync
         self.transport: PosixTransport = select_transport(io, spec.block_payload_bytes, threads)
         self._dtype = _DTYPES[spec.kv_dtype]
+        # ModelSpec computes these on each access (the fingerprint hashes a JSON encoding:
+        # ~50 us), and every block read or written checks or writes them.
+        self._fingerprint, self._shape = spec.fingerprint, spec.block_shape
         self._layer_bytes = spec.block_payload_bytes // spec.num_layers
         self._file_bytes = blockfile.HEADER_SIZE + spec.block_payload_bytes
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
@@ -470,8 +473,8 @@ class KVCache:
         plen = sum(v.nbytes for v in views)
         s = self.spec
         head = blockfile.encode_header(blockfile.BlockHeader(
-            block_hash=h, parent_hash=parent, fingerprint=s.fingerprint,
-            token_count=s.block_size, dtype=s.kv_dtype, shape=s.block_shape,
+            block_hash=h, parent_hash=parent, fingerprint=self._fingerprint,
+            token_count=s.block_size, dtype=s.kv_dtype, shape=self._shape,
             payload_len=plen, checksum=checksum(views)))
         pad = _ZEROS[:blockfile.padded_size(plen) - plen]
         final = self.path(h)
@@ -621,8 +624,8 @@ class KVCache:
     def _verify_header(self, h: bytes, header: bytearray, size: int) -> blockfile.BlockHeader:
         s = self.spec
         hdr = blockfile.decode_header(header)
-        blockfile.check(hdr, block_hash=h, fingerprint=s.fingerprint, dtype=s.kv_dtype,
-                        shape=s.block_shape)
+        blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint, dtype=s.kv_dtype,
+                        shape=self._shape)
         blockfile.verify_file_size(hdr, size)
         return hdr
 

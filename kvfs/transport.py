@@ -37,6 +37,8 @@ from . import blockfile
 
 log = logging.getLogger(__name__)
 
+#: Payloads larger than this are read and checksummed in pieces of this size.
+HASH_PIECE = 1 << 20
 #: kvikio settings: its thread pool splits each read into tasks of this size.
 KVIKIO_THREADS = 16
 KVIKIO_TASK_SIZE = 1 << 20
@@ -84,6 +86,24 @@ def preadv_all(fd: int, bufs: list[memoryview], offset: int) -> int:
         total += n
         bufs = _advance(bufs, n)
     return total
+
+
+def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
+    """``views`` cut into consecutive iovec lists of ``size`` bytes (the last one shorter)."""
+    piece: list[memoryview] = []
+    filled = 0
+    for v in views:
+        off = 0
+        while off < v.nbytes:
+            take = min(size - filled, v.nbytes - off)
+            piece.append(v[off:off + take])
+            filled += take
+            off += take
+            if filled == size:
+                yield piece
+                piece, filled = [], 0
+    if piece:
+        yield piece
 
 
 def pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
@@ -160,8 +180,27 @@ class PosixTransport:
             return self._read_staged(f, offset, dests, header, want_checksum)
         views = [host_view(d) for d in dests]
         head = [memoryview(header)] if header is not None else []
-        n = preadv_all(f.fd, head + views, offset)
-        return n, checksum(views) if want_checksum else None
+        if not want_checksum or sum(v.nbytes for v in views) <= HASH_PIECE:
+            n = preadv_all(f.fd, head + views, offset)
+            return n, checksum(views) if want_checksum else None
+        # A large payload is read and hashed piece by piece, each piece hashed while it is
+        # still in this core's cache: hashing it all after the read would fetch every byte
+        # from memory a second time.
+        n = 0
+        if header is not None:
+            n = preadv_all(f.fd, head, offset)
+            if n < len(header):
+                return n, None
+        x = xxhash.xxh3_64()  # streaming: the digest of the whole payload
+        for piece in _pieces(views, HASH_PIECE):
+            want = sum(p.nbytes for p in piece)
+            got = preadv_all(f.fd, piece, offset + n)
+            n += got
+            if got < want:  # the file ends early: the caller sees the short count
+                return n, None
+            for p in piece:
+                x.update(p)
+        return n, x.intdigest()
 
     def checksum(self, dests: list[torch.Tensor]) -> int:
         """Checksum of `dests` (a host copy first where they are on a CUDA device)."""
