@@ -202,7 +202,8 @@ def restore(mnt: str, tenant: str, request: str) -> int:
     print(f"process 2 (pid {os.getpid()}): a request of {len(context)} tokens")
     with KVCache.open(mnt, tenant=tenant, spec=spec, direct=True) as cache:
         t0 = time.perf_counter()
-        hashes = cache.block_hashes(context)
+        # Every full block but, always, the last token: its logits start the decoding.
+        hashes = cache.block_hashes(context)[:(len(context) - 1) // spec.block_size]
         found = cache.lookup(hashes)
         out = torch.empty((found, *spec.block_shape), dtype=torch.float32)
         loaded = cache.load(hashes[:found], out)
