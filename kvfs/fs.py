@@ -945,10 +945,26 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.content is not None:
             return h.content[off:off + size]
-        data = await self._io(os.pread, h.fd, size, off)
+        data = self._read_cached(h, off, size)
+        if data is None:
+            data = await self._io(os.pread, h.fd, size, off)
         self.stats.read(h.key, len(data))
         h.nread += len(data)
         return data
+
+    def _read_cached(self, h: Handle, off: int, size: int) -> memoryview | None:
+        """Bytes already in the page cache, read on the event loop without blocking
+        (RWF_NOWAIT) and without a thread hand-off; None when the disk would be needed."""
+        buf = bytearray(size)
+        try:
+            n = os.preadv(h.fd, [buf], off, os.RWF_NOWAIT)
+        except (BlockingIOError, OSError):
+            return None
+        of = self.open_files.get(h.inode)
+        end = of.size if of is not None and of.dirty else self.index.get(h.inode).size
+        if n < size and off + n < end:
+            return None  # partly cached: a short read here would look like the end of file
+        return memoryview(buf)[:n]
 
     @handler
     async def write(self, fh: int, off: int, buf: bytes) -> int:
