@@ -166,6 +166,8 @@ class Operations(pyfuse3.Operations):
         self.limits: dict[int, Limits] = {}
         self.policies: dict[int, Policy] = {}
         self.evicting: set[int] = set()
+        self.orphans: set[int] = set()  # unlinked inodes the kernel or an open file still holds
+        self.serving = False  # the kernel connection is up (set once the session runs)
         self._evict_wanted: trio.Event | None = None
         self.tiering = tiering
         self.audit = audit
@@ -229,6 +231,7 @@ class Operations(pyfuse3.Operations):
     async def run_background(self) -> None:
         """The daemon's own tasks: eviction above the high watermark, retention."""
         self._evict_wanted = trio.Event()
+        self.serving = True
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._evict_loop)
@@ -351,8 +354,14 @@ class Operations(pyfuse3.Operations):
             else:
                 c.evictions += 1
             self._drop(current)
-            pyfuse3.invalidate_entry_async(current.parent, current.name, ignore_enoent=True)
+            self._invalidate(current)
         return freed
+
+    def _invalidate(self, node: Node) -> None:
+        """Tell the kernel a name the daemon removed on its own is gone (once serving: before
+        the connection is up there is nothing to tell, and the call would fail)."""
+        if self.serving:
+            pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
 
     async def expire(self) -> int:
         """Remove the files that have outlived their tenant's retention limits."""
@@ -391,7 +400,7 @@ class Operations(pyfuse3.Operations):
                 node = self.index.find(inode)
                 if node is not None and not self.index.has_children(inode):
                     self._drop(node)
-                    pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
+                    self._invalidate(node)
                     parents.add(node.parent)
             dirs = parents
 
@@ -550,8 +559,15 @@ class Operations(pyfuse3.Operations):
                 self.stats.drop_tenant(node.inode)
         if self.lookups.get(node.inode) or node.inode in self.open_files:
             self.index.orphan(node.inode)
+            self.orphans.add(node.inode)
         else:
             self.index.delete(node.inode)
+
+    def _purge_orphan(self, inode: int) -> None:
+        """Delete an orphan's row once neither the kernel nor an open file refers to it."""
+        if inode in self.orphans and not self.lookups.get(inode) and inode not in self.open_files:
+            self.orphans.discard(inode)
+            self.index.delete(inode)
 
     def _size_of(self, node: Node) -> int:
         of = self.open_files.get(node.inode)
@@ -682,10 +698,7 @@ class Operations(pyfuse3.Operations):
                 self.lookups[inode] = left
                 continue
             self.lookups.pop(inode, None)
-            if inode not in self.open_files:
-                node = self.index.find(inode)
-                if node is not None and node.parent == ORPHAN_PARENT:
-                    self.index.delete(inode)
+            self._purge_orphan(inode)  # (a set lookup: forget costs no query)
 
     @handler
     async def getattr(self, inode: int, ctx: Any) -> pyfuse3.EntryAttributes:
@@ -820,7 +833,10 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.ENOTDIR)
         if self.index.has_children(node.inode):
             raise FUSEError(errno.ENOTEMPTY)
-        await self._io(self.store.rmdir, self._path(node))
+        try:
+            await self._io(self.store.rmdir, self._path(node))
+        except FileNotFoundError:
+            log.warning("%s was already gone from the backing directory", self._path(node))
         self._audit(ctx.uid, ctx.pid, node, "rmdir")
         self._drop(node)
 
@@ -1035,10 +1051,7 @@ class Operations(pyfuse3.Operations):
                 del self.open_files[h.inode]
         if h.writable and of.writers == 0:
             await self._complete(h.inode)
-        node = self.index.find(h.inode)
-        if (node is not None and node.parent == ORPHAN_PARENT and h.inode not in self.open_files
-                and not self.lookups.get(h.inode)):
-            self.index.delete(h.inode)
+        self._purge_orphan(h.inode)
 
     async def _complete(self, inode: int) -> None:
         """The last writer closed a file: if it is a kvfs-native block, verify its header and
@@ -1106,7 +1119,10 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EISDIR)
         rel = self._path(node)
         if not node.tier:
-            await self._io(self.store.unlink, rel)
+            try:
+                await self._io(self.store.unlink, rel)
+            except FileNotFoundError:
+                log.warning("%s was already gone from the backing directory", rel)
         self._audit(ctx.uid, ctx.pid, node, "unlink", nbytes=node.size, path=rel)
         if node.block_hash is not None and self.tiering is not None and self._nursery:
             # This host's lower-tier copy goes too; the shared tier's stays (other hosts may
@@ -1348,17 +1364,23 @@ class Operations(pyfuse3.Operations):
             log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
             raise FUSEError(errno.EINVAL) from None
 
-    def _inspect_blocks(self, rels: list[bytes]) -> list[tuple[Any, os.stat_result | None]]:
-        """Thread: header and stat of each published file, or the error that refuses it."""
-        out: list[tuple[Any, os.stat_result | None]] = []
+    def _inspect_blocks(self, dpath: bytes, rels: list[bytes]
+                        ) -> list[tuple[Any, os.stat_result | None, bool]]:
+        """Thread: header and stat of each published file (or the error that refuses it),
+        and whether its parent block's file is there (placed, or being published by another
+        request at the same time)."""
+        out: list[tuple[Any, os.stat_result | None, bool]] = []
         for rel in rels:
             try:
                 head, size = self.store.read_head(rel, blockfile.HEADER_SIZE)
                 hdr = blockfile.decode_header(head)
                 blockfile.verify_file_size(hdr, size)
-                out.append((hdr, self.store.lstat(rel)))
+                p = hdr.parent_hash
+                parent = p == hashing.ROOT_PARENT or os.path.exists(self.store.path(
+                    self._join(dpath, hashing.block_relpath(p).encode())))
+                out.append((hdr, self.store.lstat(rel), parent))
             except (OSError, blockfile.BlockFormatError) as exc:
-                out.append((exc, None))
+                out.append((exc, None, False))
         return out
 
     async def _publish(self, dnode: Node, hashes: list[bytes], ctx: Any) -> None:
@@ -1369,11 +1391,11 @@ class Operations(pyfuse3.Operations):
         fan_stats = await self._io(
             lambda: {f: self.store.lstat(self._join(dpath, f)) for f in fans
                      if os.path.isdir(self.store.path(self._join(dpath, f)))})
-        inspected = await self._io(self._inspect_blocks, rels)
+        inspected = await self._io(self._inspect_blocks, dpath, rels)
         fresh, dropped = [], []
         policy, now = self._policy(dnode.tenant), time.time()
         placed: set[bytes] = set()
-        for h, rel, (hdr, st) in zip(hashes, rels, inspected, strict=True):
+        for h, rel, (hdr, st, parent_there) in zip(hashes, rels, inspected, strict=True):
             if st is None or hdr.block_hash != h:
                 log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
                             hdr if st is None else "header names another block")
@@ -1386,7 +1408,7 @@ class Operations(pyfuse3.Operations):
                 placed.add(h)
                 continue  # content-addressed: publishing twice changes nothing
             p = hdr.parent_hash
-            orphan = (p != hashing.ROOT_PARENT and p not in placed
+            orphan = (not parent_there and p not in placed
                       and self.index.find_block(dnode.ns, p) is None)
             pkey = (dnode.ns, p) if p != hashing.ROOT_PARENT else None
             if orphan or not policy.admit((dnode.ns, h), st.st_size, parent=pkey, now=now):

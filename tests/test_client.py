@@ -118,8 +118,11 @@ def test_lookup_is_the_cached_prefix(cache):
     assert cache.lookup([]) == 0
     cache.save(hashes[4:5], kv_of(hashes[4:5]), parent=hashes[3])  # a gap: 3 is missing
     assert cache.lookup(hashes) == 3
-    with open(cache.path(hashes[4]), "rb") as f:
-        assert blockfile.decode_header(f.read(4096)).parent_hash == hashes[3]
+    # A block whose prefix is not cached can never be a prefix hit: the daemon does not
+    # place it (and counts it refused).
+    assert not os.path.exists(cache.path(hashes[4]))
+    with open(cache.path(hashes[2]), "rb") as f:
+        assert blockfile.decode_header(f.read(4096)).parent_hash == hashes[1]
     with open(cache.path(hashes[0]), "rb") as f:
         assert blockfile.decode_header(f.read(4096)).parent_hash == hashing.ROOT_PARENT
     assert cache.lookup(hashes[1:]) == 2  # hashes 1, 2 present
@@ -192,8 +195,7 @@ def test_block_of_another_spec_is_never_loaded(mount, tenant, caplog):
             KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
         hashes = c.block_hashes(tokens(2))
         other.save(hashes, kv_of(hashes, OTHER))
-        c.save(hashes[1:], kv_of(hashes[1:]), parent=hashes[0])
-        os.makedirs(os.path.dirname(c.path(hashes[0])), exist_ok=True)
+        c.save(hashes, kv_of(hashes))
         with open(other.path(hashes[0]), "rb") as src, open(c.path(hashes[0]), "wb") as dst:
             dst.write(src.read())  # the right name, another model's block
         assert c.lookup(hashes) == 2  # present by name...
