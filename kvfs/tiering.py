@@ -72,8 +72,36 @@ class Fetched:
     size: int
 
 
-def _verify_into_place(tmp: str, final: str, key: str, owner: tuple[int, int, int]) -> Fetched:
-    """Thread: check a fetched temporary and rename it into its hot path."""
+class _Handoff:
+    """Who owns a fetch's outcome: its thread, or the event loop that gave up waiting.
+
+    The thread places the block (renames it into its hot path) only while the fetch is still
+    wanted, and records that it did; the loop, when the deadline passes, marks the fetch
+    abandoned under the same lock and takes a block placed meanwhile as the result. So a block
+    is never left in place without the daemon knowing of it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.result: Fetched | None = None
+
+    def place(self, tmp: str, final: str, fetched: Fetched) -> Fetched | None:
+        with self.lock:
+            if self.abandoned:
+                return None
+            os.rename(tmp, final)
+            self.result = fetched
+            return fetched
+
+    def abandon(self) -> Fetched | None:
+        with self.lock:
+            self.abandoned = True
+            return self.result
+
+
+def _verify(tmp: str, final: str, key: str, owner: tuple[int, int, int]) -> Fetched:
+    """Thread: check a fetched temporary, ready to be renamed into its hot path."""
     with open(tmp, "rb") as f:
         data = f.read()
     hdr, _ = blockfile.decode(data)  # header, size, checksum, padding
@@ -83,7 +111,6 @@ def _verify_into_place(tmp: str, final: str, key: str, owner: tuple[int, int, in
     uid, gid, mode = owner
     os.chown(tmp, uid, gid)
     os.chmod(tmp, mode)
-    os.rename(tmp, final)
     return Fetched(0, hdr, len(data))
 
 
@@ -97,6 +124,9 @@ class Tiering:
         self.limiter = limiter
         self.write_through = write_through
         self.fetch_timeout = fetch_timeout
+        # Threads for tier calls: `limiter` bounds the calls in flight, this the threads,
+        # which outlive abandoned calls.
+        self._threads = trio.CapacityLimiter(4 * limiter.total_tokens)
         self.breakers = [Breaker(breaker_threshold, breaker_cooldown, name=t.name)
                          for t in tiers]
         self.counters = [TierCounters() for _ in tiers]
@@ -118,15 +148,17 @@ class Tiering:
     def deadline(self, size: int | None) -> float:
         if self.fetch_timeout is not None:
             return self.fetch_timeout
-        return fetch_deadline(size if size is not None else DEFAULT_BLOCK_BYTES)
+        return fetch_deadline(size if size is not None else DEFAULT_BLOCK_BYTES, floor=1.0)
 
     async def _call(self, i: int, fn: Callable[..., Any], *args: Any,
                     timeout: float) -> tuple[bool, Any]:
-        """Run a blocking tier call with a deadline: (done, result). A call past its deadline
-        is abandoned (its thread finishes on its own) and counted as a timeout."""
-        with trio.move_on_after(timeout):
-            return True, await trio.to_thread.run_sync(fn, *args, limiter=self.limiter,
-                                                       abandon_on_cancel=True)
+        """Run a blocking tier call with a deadline: (done, result). The deadline starts when
+        the call gets a thread (waiting for one is not the tier's fault); a call past it is
+        abandoned (its thread finishes on its own) and counted as a timeout."""
+        async with self.limiter:
+            with trio.move_on_after(timeout):
+                return True, await trio.to_thread.run_sync(fn, *args, limiter=self._threads,
+                                                           abandon_on_cancel=True)
         return False, None
 
     async def fetch(self, key: str, final: str, owner: tuple[int, int, int],
@@ -156,16 +188,14 @@ class Tiering:
                 c.skipped += 1
                 continue
             tmp = f"{os.path.dirname(final)}/.kvfs-tmp.fetch.{time.monotonic_ns()}"
-            cancelled = threading.Event()
+            handoff = _Handoff()
 
-            def work(tier: Tier = tier, tmp: str = tmp, cancelled: threading.Event = cancelled
+            def work(tier: Tier = tier, tmp: str = tmp, handoff: _Handoff = handoff
                      ) -> Fetched | None:
                 try:
                     if not tier.get(key, tmp):
                         return None
-                    if cancelled.is_set():
-                        raise TimeoutError("abandoned")
-                    return _verify_into_place(tmp, final, key, owner)
+                    return handoff.place(tmp, final, _verify(tmp, final, key, owner))
                 finally:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
@@ -188,8 +218,9 @@ class Tiering:
                 c.errors += 1
                 log.warning("fetch %s from %s tier: %s", key, tier.name, exc)
                 continue
+            if not done and (got := handoff.abandon()) is not None:
+                done = True  # placed just as the deadline passed: keep it
             if not done:
-                cancelled.set()
                 c.timeouts += 1
                 breaker.failure()
                 log.warning("fetch %s from %s tier: no answer within %.1f s", key, tier.name,

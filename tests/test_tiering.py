@@ -139,3 +139,41 @@ def test_kvfs_warm_promotes_a_namespace(mount_factory, tmp_path):
     assert f"warmed {len(cold_before)} blocks" in res.stdout
     assert all(os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
                for h, _ in blocks)
+
+
+def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
+    """In-process: a tier that answers after the deadline. The fetch is a miss, and the late
+    answer is not renamed into the hot tier behind the daemon's back."""
+    import trio
+
+    from kvfs.tiering import Tiering
+    from kvfs.tiers import DirTier
+
+    class LateTier(DirTier):
+        def get(self, key, dest):
+            found = super().get(key, dest)
+            time.sleep(0.4)
+            return found
+
+    h, data = block(1)
+    key = f"t/ns/{hashing.block_relpath(h)}"
+    (tmp_path / "cold" / "t" / "ns" / h[:1].hex()).mkdir(parents=True)
+    (tmp_path / "cold" / key).write_bytes(data)
+    final = tmp_path / "hot" / hashing.block_relpath(h)
+    final.parent.mkdir(parents=True)
+
+    async def main():
+        tiering = Tiering([LateTier(str(tmp_path / "cold"))], trio.CapacityLimiter(4),
+                          fetch_timeout=0.1)
+        assert await tiering.fetch(key, str(final), (0, 0, 0o644)) is None
+        await trio.sleep(0.8)  # the late thread has finished by now
+        assert tiering.counters[0].timeouts == 1
+        assert list(final.parent.iterdir()) == []  # neither the block nor a temporary
+        tiering.fetch_timeout = 5.0
+        got = await tiering.fetch(key, str(final), (0, 0, 0o644))
+        assert got is not None and got.header.block_hash == h
+
+    trio.run(main)
+    assert final.read_bytes() == data
+    assert [p.name for p in final.parent.iterdir()] == [final.name]  # no temporaries left
+
