@@ -445,6 +445,18 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 # -- demo --------------------------------------------------------------------------------
 
 
+def cmd_bench_hitrate(args: argparse.Namespace) -> int:
+    from .bench import hitrate  # noqa: PLC0415
+
+    if args.trace not in ("agentic", "mixed") and not os.path.isfile(args.trace):
+        raise CliError(f"no trace file {args.trace} (or use 'agentic' / 'mixed')", EXIT_USAGE)
+    args.capacity_fraction = args.capacity_fraction or [0.1, 0.25, 0.5]
+    for f in args.capacity_fraction:
+        if not 0 < f <= 1:
+            raise CliError(f"--capacity-fraction {f} is not in (0, 1]", EXIT_USAGE)
+    return hitrate.main(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo  # noqa: PLC0415
 
@@ -545,6 +557,23 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--show", type=int, default=20, help="changes to list per kind")
     f.add_argument("--debug", action="store_true")
     f.set_defaults(func=cmd_fsck)
+
+    b = sub.add_parser("bench", help="benchmarks (ratios and conditions, JSON records)")
+    bsub = b.add_subparsers(dest="bench_command", required=True)
+    bh = bsub.add_parser("hitrate", help="replay a request trace through a real mount")
+    bh.add_argument("--trace", required=True,
+                    help="a Mooncake-format JSONL file, or 'agentic' / 'mixed' (generated)")
+    bh.add_argument("--capacity-fraction", type=float, action="append",
+                    dest="capacity_fraction", help="hot capacity as a fraction of the trace's "
+                    "distinct blocks (repeatable; default 0.1, 0.25, 0.5)")
+    bh.add_argument("--policy", action="append", choices=POLICIES,
+                    help=f"eviction policy (repeatable; default {DEFAULT_POLICY})")
+    bh.add_argument("--block-kib", type=int, default=4, help="payload per block (scale)")
+    bh.add_argument("--limit", type=int, help="replay only the first N requests")
+    bh.add_argument("--seed", type=int, default=0, help="for generated traces")
+    bh.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
+    bh.add_argument("--json", help="write the record here")
+    bh.set_defaults(func=cmd_bench_hitrate)
 
     d = sub.add_parser("demo", help="mount a demo kvfs with real KV blocks in it")
     d.add_argument("dir", nargs="?", default="demo", help="where to put it (default ./demo)")
