@@ -222,7 +222,8 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
              f"hot: {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
              f"{stats['files']} files, {stats['open_files']} open"]
     for t in stats.get("tiers", []):
-        lines.append(f"{t['name']}: {t['url']}  circuit {t['circuit']}  hits {t['hits']}  "
+        lines.append(f"{t['name']}: {t['url']}  holds {t['known_files']} blocks of this host "
+                     f"({human(t['known_bytes'])})  circuit {t['circuit']}  hits {t['hits']}  "
                      f"misses {t['misses']}  timeouts {t['timeouts']}  errors {t['errors']}  "
                      f"uploads {t['uploads']} (failed {t['upload_failures']})")
     rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "HIT%", "HITS", "MISSES", "READ",

@@ -716,7 +716,7 @@ class KVCache:
         for k in range(0, len(corrupt), m):
             self._report(control.CORRUPT, control.pack_hashes(corrupt[k:k + m]))
         read = sum(o.read for o in outcomes)
-        self._access(hashes[:n], lookups=0, read_bytes=read)
+        self._access(hashes[:n], lookups=0, read_bytes=read, needed_bytes=n * self._file_bytes)
         self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
                     corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)
         return n

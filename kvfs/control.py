@@ -35,8 +35,8 @@ COMMANDS = (PUBLISH, ACCESS, CORRUPT, FETCH, PREFETCH)
 
 HASH_LEN = 16
 XATTR_MAX = 65536
-_ACCESS = struct.Struct("<4sIIIQQQ")
-ACCESS_MAGIC = b"KVA1"
+_ACCESS = struct.Struct("<4sIIIQQQQ")
+ACCESS_MAGIC = b"KVA2"
 #: Hashes that fit in one command.
 MAX_HASHES = (XATTR_MAX - _ACCESS.size) // HASH_LEN
 
@@ -69,18 +69,20 @@ class Access:
     hit_tokens: int = 0
     miss_tokens: int = 0
     read_bytes: int = 0  # bytes the client read from backing files itself
+    needed_bytes: int = 0  # bytes the blocks it loaded hold: read / needed = amplification
     hashes: tuple[bytes, ...] = ()  # blocks that were hits, for their access time
 
     def pack(self) -> bytes:
         head = _ACCESS.pack(ACCESS_MAGIC, self.lookups, self.hit_blocks, self.miss_blocks,
-                            self.hit_tokens, self.miss_tokens, self.read_bytes)
+                            self.hit_tokens, self.miss_tokens, self.read_bytes,
+                            self.needed_bytes)
         return head + pack_hashes(list(self.hashes))
 
     @classmethod
     def unpack(cls, value: bytes) -> Access:
         if len(value) < _ACCESS.size:
             raise ControlError("access record too short")
-        magic, lookups, hb, mb, ht, mt, rb = _ACCESS.unpack_from(value)
+        magic, lookups, hb, mb, ht, mt, rb, nb = _ACCESS.unpack_from(value)
         if magic != ACCESS_MAGIC:
             raise ControlError(f"access record has magic {magic!r}, expected {ACCESS_MAGIC!r}")
-        return cls(lookups, hb, mb, ht, mt, rb, tuple(unpack_hashes(value[_ACCESS.size:])))
+        return cls(lookups, hb, mb, ht, mt, rb, nb, tuple(unpack_hashes(value[_ACCESS.size:])))

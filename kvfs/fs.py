@@ -1480,6 +1480,7 @@ class Operations(pyfuse3.Operations):
         c.hit_tokens += a.hit_tokens
         c.miss_tokens += a.miss_tokens
         c.direct_read_bytes += a.read_bytes
+        c.direct_needed_bytes += a.needed_bytes
         if a.hashes:
             now = time.time_ns()
             self.index.touch_blocks(dnode.ns, list(a.hashes), now)
@@ -1561,8 +1562,17 @@ class Operations(pyfuse3.Operations):
             "files": self.stats.total_files,
             "open_files": len(self.open_files),
             "tenants": self.stats.render(names),
-            "tiers": self.tiering.snapshot() if self.tiering is not None else [],
+            "tiers": self._tiers_snapshot(),
         }
+
+    def _tiers_snapshot(self) -> list[dict[str, Any]]:
+        if self.tiering is None:
+            return []
+        out = self.tiering.snapshot()
+        known = self.index.tier_usage()
+        for i, t in enumerate(out, start=1):
+            t["known_files"], t["known_bytes"] = known.get(i, (0, 0))
+        return out
 
     def _stats_json(self) -> bytes:
         return json.dumps(self.snapshot(), indent=2, sort_keys=True).encode() + b"\n"

@@ -91,6 +91,8 @@ def create_tables(db: sqlite3.Connection) -> None:
         -- while entries are added and removed.
         CREATE INDEX IF NOT EXISTS nodes_by_parent ON nodes (parent, inode);
         -- Blocks by namespace and hash: access records, chains, quarantine.
+        -- Blocks that live only in a lower tier, for its use as this host knows it.
+        CREATE INDEX IF NOT EXISTS nodes_by_tier ON nodes (tier) WHERE tier > 0;
         CREATE INDEX IF NOT EXISTS nodes_by_block ON nodes (ns, block_hash)
             WHERE block_hash IS NOT NULL;
         CREATE TABLE IF NOT EXISTS meta (
@@ -370,6 +372,13 @@ class Index:
             (0o170000, stat.S_IFREG, ORPHAN_PARENT),
         ).fetchall()
         return {(t, n): (c, b) for t, n, c, b in rows}
+
+    def tier_usage(self) -> dict[int, tuple[int, int]]:
+        """tier -> (files, bytes) of the blocks this host knows to live only there."""
+        rows = self.db.execute(
+            "SELECT tier, COUNT(*), COALESCE(SUM(size), 0) FROM nodes WHERE tier > 0 "
+            "AND parent != ? GROUP BY tier", (ORPHAN_PARENT,)).fetchall()
+        return {t: (n, b) for t, n, b in rows}
 
     def count(self) -> int:
         return self.db.execute("SELECT COUNT(*) FROM nodes").fetchone()[0]

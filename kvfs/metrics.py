@@ -57,6 +57,9 @@ def families(snap: dict[str, Any]) -> Iterator[Any]:
     used = GaugeMetricFamily("kvfs_bytes", "Bytes in the hot tier", labels=ns_labels)
     ratio = GaugeMetricFamily("kvfs_hit_ratio", "Block hit ratio, both doors, since start",
                               labels=ns_labels)
+    amp = GaugeMetricFamily("kvfs_fetch_amplification",
+                            "Bytes the kvfs client read per byte its loads needed",
+                            labels=ns_labels)
     for tenant, spaces in snap["tenants"].items():
         for model, c in spaces.items():
             labels = [tenant, model]
@@ -67,11 +70,15 @@ def families(snap: dict[str, Any]) -> Iterator[Any]:
             hits = c["hit_blocks"] + c["mount_hits"]
             total = hits + c["miss_blocks"] + c["mount_misses"]
             ratio.add_metric(labels, hits / total if total else 0.0)
+            if c["direct_needed_bytes"]:
+                amp.add_metric(labels, c["direct_read_bytes"] / c["direct_needed_bytes"])
     yield from counters.values()
-    yield from (files, used, ratio)
+    yield from (files, used, ratio, amp)
     cap = GaugeMetricFamily("kvfs_capacity_bytes", "Capacity of the tier", labels=["tier"])
     use = GaugeMetricFamily("kvfs_used_bytes", "Bytes used in the tier", labels=["tier"])
     use.add_metric(["hot"], snap["used_bytes"])
+    for t in snap.get("tiers", []):
+        use.add_metric([t["name"]], t["known_bytes"])  # what this host put or knows there
     if snap.get("capacity_bytes") is not None:
         cap.add_metric(["hot"], snap["capacity_bytes"])
     yield from (cap, use)

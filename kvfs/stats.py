@@ -28,6 +28,7 @@ class Counters:
     hit_tokens: int = 0
     miss_tokens: int = 0
     direct_read_bytes: int = 0
+    direct_needed_bytes: int = 0  # what those reads were for: read / needed = amplification
     published_blocks: int = 0
     published_bytes: int = 0
     refused_blocks: int = 0  # published blocks not placed: prefix not cached, or not admitted

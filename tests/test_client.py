@@ -339,6 +339,7 @@ def test_mount_stats_show_the_client(mount, cache):
     assert (c["lookups"], c["hit_blocks"], c["miss_blocks"]) == (1, 3, 2)
     assert (c["hit_tokens"], c["miss_tokens"]) == (3 * BS, 2 * BS)
     assert c["direct_read_bytes"] == 3 * (4096 + SPEC.block_payload_bytes)
+    assert c["direct_needed_bytes"] == c["direct_read_bytes"]  # fetch amplification 1.00x
     listing = os.listdir(mount.mnt / "acme" / SPEC.namespace)
     assert {h[:1].hex() for h in hashes[:3]} <= set(listing)
 

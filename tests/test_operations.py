@@ -52,6 +52,7 @@ def test_prometheus_metrics_and_hit_rate_through_the_mount(mount_factory):
     assert value("kvfs_hit_ratio", **who) == 0.25
     assert value("kvfs_bytes", **who) == 1000
     assert value("kvfs_used_bytes", tier="hot") == 1000
+    assert ("kvfs_fetch_amplification", tuple(sorted(who.items()))) not in samples  # no loads
 
 
 def test_metrics_port_in_use_refuses_the_mount(mount_factory):

@@ -45,6 +45,8 @@ def test_eviction_demotes_and_reads_promote(mount_factory, tmp_path):
     assert m.stats()["used_bytes"] <= 400 * 1024
     first = ns / hashing.block_relpath(blocks[0][0])
     assert os.getxattr(first, "user.kvfs.tier") == b"cold"
+    assert m.stats()["tiers"][0]["known_files"] >= 6  # what this host demoted
+    assert "holds" in kvfs("status", str(m.mnt)).stdout
     assert os.stat(first).st_size == len(blocks[0][1]) and os.stat(first).st_blocks == 0
     assert (cold / "t" / "m@0123456789abcdef" / hashing.block_relpath(blocks[0][0])).exists()
     # Reading a demoted block promotes it: the same bytes, hot again.
