@@ -179,3 +179,41 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
     assert final.read_bytes() == data
     assert [p.name for p in final.parent.iterdir()] == [final.name]  # no temporaries left
 
+
+
+def test_concurrent_fetches_of_one_block_share_one_fetch(tmp_path):
+    import trio
+
+    from kvfs.tiering import Tiering
+    from kvfs.tiers import DirTier
+
+    calls = []
+
+    class CountingTier(DirTier):
+        def get(self, key, dest):
+            calls.append(key)
+            time.sleep(0.2)
+            return super().get(key, dest)
+
+    h, data = block(3)
+    key = f"t/ns/{hashing.block_relpath(h)}"
+    (tmp_path / "cold" / "t" / "ns" / h[:1].hex()).mkdir(parents=True)
+    (tmp_path / "cold" / key).write_bytes(data)
+    final = tmp_path / "hot" / hashing.block_relpath(h)
+    final.parent.mkdir(parents=True)
+    results = []
+
+    async def main():
+        tiering = Tiering([CountingTier(str(tmp_path / "cold"))], trio.CapacityLimiter(4),
+                          fetch_timeout=5.0)
+
+        async def one():
+            results.append(await tiering.fetch(key, str(final), (0, 0, 0o644)))
+
+        async with trio.open_nursery() as n:
+            for _ in range(8):
+                n.start_soon(one)
+
+    trio.run(main)
+    assert calls == [key]
+    assert len(results) == 8 and all(r is not None and r.header.block_hash == h for r in results)
