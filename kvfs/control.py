@@ -37,6 +37,8 @@ HASH_LEN = 16
 XATTR_MAX = 65536
 _ACCESS = struct.Struct("<4sIIIQQQQ")
 ACCESS_MAGIC = b"KVA2"
+#: The first version, without needed_bytes: still accepted from older clients.
+_ACCESS_V1 = struct.Struct("<4sIIIQQQ")
 #: Hashes that fit in one command.
 MAX_HASHES = (XATTR_MAX - _ACCESS.size) // HASH_LEN
 
@@ -80,6 +82,10 @@ class Access:
 
     @classmethod
     def unpack(cls, value: bytes) -> Access:
+        if value[:4] == b"KVA1" and len(value) >= _ACCESS_V1.size:
+            _, lookups, hb, mb, ht, mt, rb = _ACCESS_V1.unpack_from(value)
+            return cls(lookups, hb, mb, ht, mt, rb, 0,
+                       tuple(unpack_hashes(value[_ACCESS_V1.size:])))
         if len(value) < _ACCESS.size:
             raise ControlError("access record too short")
         magic, lookups, hb, mb, ht, mt, rb, nb = _ACCESS.unpack_from(value)
