@@ -57,84 +57,16 @@ def use_this_checkout() -> None:
             [REPO, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
 
+use_this_checkout()
+from kvfs.bench.common import cpu_model, filesystem_of, memory_gib  # noqa: E402
+from kvfs.bench.common import read_text as _read  # noqa: E402
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # -- conditions ------------------------------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _cpu_model() -> str:
-    for line in _read("/proc/cpuinfo").splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _mem_gib() -> float:
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith("MemTotal:"):
-            return int(line.split()[1]) / 1024 / 1024
-    return 0.0
-
-
-def _unescape(s: str) -> str:
-    return s.replace("\\040", " ").replace("\\011", "\t").replace("\\012", "\n") \
-        .replace("\\134", "\\")
-
-
-def filesystem_of(path: str) -> dict[str, Any]:
-    """Type, device and device kind of the filesystem that holds `path`."""
-    real = os.path.realpath(path)
-    st = os.stat(real)
-    best: dict[str, Any] = {}
-    for line in _read("/proc/self/mountinfo").splitlines():
-        left, _, right = line.partition(" - ")
-        f = left.split()
-        r = right.split()
-        if len(f) < 5 or len(r) < 2:
-            continue
-        mnt = _unescape(f[4])
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best.get("_mnt", "")):
-            best = {"_mnt": mnt, "type": r[0], "source": r[1], "dev": f[2]}
-    out: dict[str, Any] = {"type": best.get("type", "?"),
-                           "device": os.path.basename(best.get("source", "?"))}
-    major, minor = os.major(st.st_dev), os.minor(st.st_dev)
-    sysdev = f"/sys/dev/block/{major}:{minor}"
-    kind = "unknown device"
-    if os.path.exists(sysdev):
-        dev_path = os.path.realpath(sysdev)
-        blk = dev_path
-        if os.path.exists(os.path.join(blk, "partition")):
-            blk = os.path.dirname(blk)
-        name = os.path.basename(blk)
-        rot = _read(os.path.join(blk, "queue", "rotational")).strip()
-        model = _read(os.path.join(blk, "device", "model")).strip()
-        size_gib = int(_read(os.path.join(blk, "size")).strip() or 0) * 512 / 2**30
-        if "virtio" in dev_path:
-            kind = "virtio disk"
-        elif name.startswith("nvme"):
-            kind = "NVMe SSD"
-        elif name.startswith(("dm-", "md")):
-            kind = "device-mapper/RAID volume"
-        elif rot == "1":
-            kind = "rotational disk"
-        elif rot == "0":
-            kind = "SSD"
-        out.update(kind=kind, model=model or None, size_gib=round(size_gib, 1),
-                   rotational=rot == "1" if rot else None)
-    else:
-        out["kind"] = f"no block device ({out['type']})"
-    return out
 
 
 def conditions(work: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -162,10 +94,10 @@ def conditions(work: str, args: argparse.Namespace) -> dict[str, Any]:
     ls_version = subprocess.run(["ls", "--version"], capture_output=True,
                                 text=True).stdout.splitlines()[:1]
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),
-        "memory_gib": round(_mem_gib(), 1),
+        "memory_gib": memory_gib(),
         "kernel": platform.release(),
         "filesystem": filesystem_of(work),
         "python": platform.python_version(),

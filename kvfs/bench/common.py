@@ -8,7 +8,8 @@ import time
 from typing import Any
 
 
-def _read(path: str) -> str:
+def read_text(path: str) -> str:
+    """A small file's text ('' when it cannot be read): /proc and /sys entries."""
     try:
         with open(path) as f:
             return f.read()
@@ -16,27 +17,62 @@ def _read(path: str) -> str:
         return ""
 
 
-def filesystem_of(path: str) -> dict[str, str]:
-    """Type and source of the filesystem holding `path` (longest mount point that holds it)."""
-    real, best = os.path.realpath(path), ("", "?", "?")
-    for line in _read("/proc/self/mountinfo").splitlines():
+def cpu_model() -> str:
+    for line in read_text("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> float:
+    for line in read_text("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return 0.0
+
+
+def filesystem_of(path: str) -> dict[str, Any]:
+    """Type, source, mount point and device kind of the filesystem holding `path`."""
+    real = os.path.realpath(path)
+    best: dict[str, str] = {}
+    for line in read_text("/proc/self/mountinfo").splitlines():
         left, _, right = line.partition(" - ")
         f, r = left.split(), right.split()
-        if len(f) > 4 and len(r) > 1:
-            mnt = f[4].replace("\\040", " ")
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best[0]):
-                best = (mnt, r[0], r[1])
-    return {"mountpoint": best[0], "type": best[1], "source": best[2]}
+        if len(f) < 5 or len(r) < 2:
+            continue
+        mnt = f[4].replace("\\040", " ")
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best.get("mnt", "")):
+            best = {"mnt": mnt, "type": r[0], "source": r[1]}
+    out: dict[str, Any] = {"type": best.get("type", "?"), "source": best.get("source", "?"),
+                           "mountpoint": best.get("mnt"), "kind": "unknown device"}
+    st = os.stat(real)
+    sysdev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if os.path.exists(sysdev):
+        blk = os.path.realpath(sysdev)
+        if os.path.exists(os.path.join(blk, "partition")):
+            blk = os.path.dirname(blk)
+        name = os.path.basename(blk)
+        rot = read_text(os.path.join(blk, "queue", "rotational")).strip()
+        model = read_text(os.path.join(blk, "device", "model")).strip()
+        out.update(
+            device=name, model=model or None,
+            rotational=rot == "1" if rot else None,
+            kind=("virtio disk" if "virtio" in blk else "NVMe SSD" if name.startswith("nvme")
+                  else "device-mapper/RAID volume" if name.startswith(("dm-", "md"))
+                  else "rotational disk" if rot == "1" else "SSD" if rot == "0"
+                  else "unknown device"),
+            size_gib=round(int(read_text(os.path.join(blk, "size")).strip() or 0) * 512 / 2**30,
+                           1))
+    else:
+        out["kind"] = f"no block device ({out['type']})"
+    return out
 
 
 def conditions(dirs: list[str]) -> dict[str, Any]:
     """CPU, cores, memory, load, kernel, versions, and the filesystem of each directory."""
     import kvfs  # noqa: PLC0415
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.machine())
-    mem = next((int(line.split()[1]) // 1024 for line in _read("/proc/meminfo").splitlines()
-                if line.startswith("MemTotal:")), 0)
     versions = {"python": platform.python_version(), "kvfs": kvfs.__version__}
     for name in ("torch", "kvikio", "pyfuse3", "boto3"):
         try:
@@ -53,7 +89,7 @@ def conditions(dirs: list[str]) -> dict[str, Any]:
         pass
     return {
         "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
-        "cpu": cpu, "cores": os.cpu_count(), "memory_mib": mem, "gpu": gpu,
+        "cpu": cpu_model(), "cores": os.cpu_count(), "memory_gib": memory_gib(), "gpu": gpu,
         "load_average": os.getloadavg(), "kernel": platform.release(),
         "versions": versions, "filesystems": {d: filesystem_of(d) for d in dirs},
     }
