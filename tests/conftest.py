@@ -47,8 +47,6 @@ class Mount:
     mnt: Path
     log: Path
     extra: list[str] = field(default_factory=list)
-    #: Log substrings a test expects (e.g. a warning it provoked); tracebacks always fail.
-    allowed_errors: list[str] = field(default_factory=list)
 
     def start(self) -> None:
         kvfs("mount", str(self.backing), str(self.mnt), "--log", str(self.log), *self.extra)

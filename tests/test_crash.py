@@ -127,7 +127,6 @@ def test_sigkill_at_random_points(mount_factory, tmp_path):
                     assert not os.path.exists(cache.path(h))
             assert cache.stats["corrupt_blocks"] == cache.stats["mismatched_blocks"] == 0
             assert cache.stats["loaded_blocks"] >= len(hashes) // 2
-    m.allowed_errors.append("quarantined")
 
 
 def test_every_byte_flip_is_a_miss(mount):
