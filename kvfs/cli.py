@@ -435,10 +435,11 @@ def cmd_fsck(args: argparse.Namespace) -> int:
                          ("updated", report.updated), ("removed partial", report.removed_partial),
                          ("removed temporary", report.removed_temp),
                          ("quarantined", report.quarantined)):
-        for item in items[: args.show]:
+        shown = items.examples[: args.show]
+        for item in shown:
             print(f"{label}: {item}")
-        if len(items) > args.show:
-            print(f"{label}: ... and {len(items) - args.show} more")
+        if items.count > len(shown):
+            print(f"{label}: ... and {items.count - len(shown)} more")
     print(f"fsck: {report.summary()}")
     return 0
 

@@ -30,30 +30,47 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class Changes:
+    """One kind of change: how many, and the first few paths (a million-file rebuild must
+    not keep a million strings)."""
+
+    count: int = 0
+    examples: list[str] = field(default_factory=list)
+    keep = 100
+
+    def add(self, path: str) -> None:
+        self.count += 1
+        if len(self.examples) < self.keep:
+            self.examples.append(path)
+
+
+@dataclass
 class FsckReport:
     orphans: int = 0
-    added: list[str] = field(default_factory=list)
-    dropped: list[str] = field(default_factory=list)
-    updated: list[str] = field(default_factory=list)
-    removed_partial: list[str] = field(default_factory=list)
-    removed_temp: list[str] = field(default_factory=list)
-    quarantined: list[str] = field(default_factory=list)
+    added: Changes = field(default_factory=Changes)
+    dropped: Changes = field(default_factory=Changes)
+    updated: Changes = field(default_factory=Changes)
+    removed_partial: Changes = field(default_factory=Changes)
+    removed_temp: Changes = field(default_factory=Changes)
+    quarantined: Changes = field(default_factory=Changes)
     blocks_verified: int = 0
     entries: int = 0
     seconds: float = 0.0
 
     @property
     def changes(self) -> int:
-        return (self.orphans + len(self.added) + len(self.dropped) + len(self.updated)
-                + len(self.removed_partial) + len(self.removed_temp) + len(self.quarantined))
+        return self.orphans + sum(c.count for c in (
+            self.added, self.dropped, self.updated, self.removed_partial, self.removed_temp,
+            self.quarantined))
 
     def summary(self) -> str:
         return (
             f"{self.entries} entries checked in {self.seconds:.1f} s: "
-            f"{len(self.added)} added, {len(self.dropped)} dropped, {len(self.updated)} updated, "
-            f"{len(self.removed_partial)} partial files removed, "
-            f"{len(self.removed_temp)} temporaries removed, "
-            f"{len(self.quarantined)} quarantined, {self.orphans} orphans purged, "
+            f"{self.added.count} added, {self.dropped.count} dropped, "
+            f"{self.updated.count} updated, "
+            f"{self.removed_partial.count} partial files removed, "
+            f"{self.removed_temp.count} temporaries removed, "
+            f"{self.quarantined.count} quarantined, {self.orphans} orphans purged, "
             f"{self.blocks_verified} block checksums verified"
         )
 
@@ -77,7 +94,7 @@ class Reconciler:
     def quarantine(self, rel: bytes, reason: str) -> None:
         self.store.quarantine(rel)
         log.warning("quarantined %s: %s", self._show(rel), reason)
-        self.report.quarantined.append(self._show(rel))
+        self.report.quarantined.add(self._show(rel))
 
     def check_block(self, rel: bytes, name: bytes) -> tuple[bytes, bytes] | None | bool:
         """(hash, parent) for a good kvfs-native block; None for a file that is not named as
@@ -109,9 +126,12 @@ class Reconciler:
                 if child is not None:
                     self.drop_subtree(child, rel + b"/" + name)
         self.index.delete(node.inode)
-        self.report.dropped.append(self._show(rel))
+        self.report.dropped.add(self._show(rel))
 
-    def add(self, parent: Node, name: bytes, rel: bytes, st: os.stat_result) -> Node | None:
+    def add(self, parent: Node, name: bytes, rel: bytes, st: os.stat_result,
+            batch: list[tuple] | None = None) -> Node | None:
+        """Index a new entry. Files and symlinks go into `batch` (inserted with one statement
+        per directory); a directory is inserted at once (its children need its inode)."""
         target = None
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(self.store.path(rel))
@@ -123,6 +143,15 @@ class Reconciler:
             return None
         tenant = parent.tenant if parent.inode != ROOT_INODE else 0
         ns = parent.ns if parent.inode != parent.tenant else 0
+        if batch is not None and not stat.S_ISDIR(st.st_mode):
+            pinned = stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel)
+            size = len(target) if target is not None else st.st_size
+            batch.append((parent.inode, name, st.st_mode, st.st_uid, st.st_gid, size,
+                          st.st_mtime_ns, st.st_mtime_ns, target, tenant, ns,
+                          block[0] if block else None, block[1] if block else None,
+                          int(pinned)))
+            self.report.added.add(self._show(rel))
+            return None
         node = self.index.insert(
             parent=parent.inode, name=name, mode=st.st_mode, uid=st.st_uid, gid=st.st_gid,
             size=len(target) if target is not None else (st.st_size if stat.S_ISREG(st.st_mode)
@@ -133,7 +162,7 @@ class Reconciler:
             self.index.update(node.inode, block_hash=block[0], parent_hash=block[1])
         if stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel):
             self.index.update(node.inode, pinned=1)
-        self.report.added.append(self._show(rel))
+        self.report.added.add(self._show(rel))
         return node
 
     def walk(self) -> None:
@@ -144,6 +173,7 @@ class Reconciler:
             known = self.index.child_names(dnode.inode)
             with os.scandir(self.store.path(drel)) as it:
                 entries = list(it)
+            batch: list[tuple] = []
             for entry in entries:
                 name = os.fsencode(entry.name)
                 if dnode.inode == ROOT_INODE and name == STATE_DIR:
@@ -154,7 +184,7 @@ class Reconciler:
                     self.progress(self.report.entries)
                 if name.startswith(TEMP_PREFIX):
                     os.unlink(entry.path)
-                    self.report.removed_temp.append(self._show(rel))
+                    self.report.removed_temp.add(self._show(rel))
                     continue
                 st = entry.stat(follow_symlinks=False)
                 inode = known.pop(name, None)
@@ -167,13 +197,14 @@ class Reconciler:
                         log.warning("ignoring %s: only tenant directories live at the top",
                                     self._show(rel))
                         continue
-                    node = self.add(dnode, name, rel, st)
+                    node = self.add(dnode, name, rel, st, batch)
                     if node is None:
                         continue
                 elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
                     self.refresh(node, rel, st)
                 if stat.S_ISDIR(st.st_mode):
                     stack.append((node, rel))
+            self.index.insert_many(batch)
             for name, inode in known.items():
                 node = self.index.find(inode)
                 if node is not None and not node.tier:  # lower-tier blocks have no local file
@@ -189,7 +220,7 @@ class Reconciler:
                           block_hash=block[0] if block else None,
                           parent_hash=block[1] if block else None)
         if changed:
-            self.report.updated.append(self._show(rel))
+            self.report.updated.add(self._show(rel))
 
     def remove_partial(self) -> None:
         for node in self.index.writing_nodes():
@@ -199,7 +230,7 @@ class Reconciler:
                     os.unlink(self.store.path(rel))
                 except FileNotFoundError:
                     pass
-                self.report.removed_partial.append(self._show(rel))
+                self.report.removed_partial.add(self._show(rel))
             self.index.delete(node.inode)
 
     def path_of(self, node: Node) -> bytes | None:

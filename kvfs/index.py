@@ -271,6 +271,16 @@ class Index:
         return Node(new, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant,
                     ns, writing, None, None)
 
+    def insert_many(self, rows: list[tuple]) -> None:
+        """Insert files in bulk (fsck): rows of (parent, name, mode, uid, gid, size, atime_ns,
+        mtime_ns, target, tenant, ns, block_hash, parent_hash, pinned); ctime is now."""
+        if rows:
+            now = time.time_ns()
+            self.db.executemany(
+                "INSERT INTO nodes (parent, name, mode, uid, gid, size, atime_ns, mtime_ns, "
+                "target, tenant, ns, block_hash, parent_hash, pinned, ctime_ns) "
+                "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", [(*r, now) for r in rows])
+
     def update(self, inode: int, **fields: object) -> None:
         if not fields:
             return
