@@ -330,11 +330,11 @@ class Index:
         ).fetchone()
         return _node(row) if row else None
 
-    def touch_blocks(self, ns: int, hashes: list[bytes], atime_ns: int) -> None:
-        self.db.executemany(
-            "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?",
-            [(atime_ns, ns, h) for h in hashes],
-        )
+    def touch_blocks(self, touched: list[tuple[int, int, bytes]]) -> None:
+        """Access times of blocks: (atime_ns, namespace, block hash) each, in one transaction."""
+        with self.transaction():
+            self.db.executemany(
+                "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?", touched)
 
     def cached_files(self) -> Iterator[Node]:
         """Every named regular file of the hot tier, least recently accessed first: what the

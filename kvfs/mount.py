@@ -236,6 +236,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                 raise
         for of_inode in list(ops.open_files):
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
+        ops.flush_atimes()
         index.set_meta("clean", "1" if not ops.open_files else "0")
         index.close()
         if tiering is not None:

@@ -149,3 +149,24 @@ def test_max_age(small):
     os.utime(ns / "f", (time.time(), time.time() - 3600))
     kvfs("tenant", "set", str(small.mnt), "t", "--max-age", "30m")
     assert wait_for(lambda: not (ns / "f").exists())
+
+
+def test_client_reads_keep_blocks_from_expiring(small):
+    """Access times reported by the kvfs client reach the index, where retention reads them."""
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+
+    spec = kv.ModelSpec(model="ret/test", revision="1", kv_dtype="uint8", block_size=4,
+                        num_layers=1, num_kv_heads=1, head_dim=8)
+    with kv.KVCache.open(small.mnt, tenant="t", spec=spec) as cache:
+        used = cache.block_hashes([1] * 4)
+        idle = cache.block_hashes([2] * 4)
+        for h in (used, idle):
+            cache.save(h, torch.zeros(1, *spec.block_shape, dtype=torch.uint8))
+        kvfs("tenant", "set", str(small.mnt), "t", "--max-idle", "3s")
+        deadline = time.monotonic() + 15
+        while os.path.exists(cache.path(idle[0])) and time.monotonic() < deadline:
+            assert cache.lookup(used) == 1
+            time.sleep(0.3)
+        assert not os.path.exists(cache.path(idle[0]))
+        assert cache.lookup(used) == 1
