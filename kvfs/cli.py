@@ -459,6 +459,14 @@ def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     return hitrate.main(args)
 
 
+def cmd_bench_crossover(args: argparse.Namespace) -> int:
+    from .bench import crossover  # noqa: PLC0415
+
+    if any(n < 2 for n in args.lengths) or args.repeats < 1:
+        raise CliError("lengths must be at least 2 tokens and repeats at least 1", EXIT_USAGE)
+    return crossover.main(args)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo  # noqa: PLC0415
 
@@ -576,6 +584,15 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
     bh.add_argument("--json", help="write the record here")
     bh.set_defaults(func=cmd_bench_hitrate)
+
+    bc = bsub.add_parser("crossover", help="time to first token: restore vs recompute")
+    bc.add_argument("--lengths", type=int, nargs="+", default=[64, 256, 512, 1024, 2048],
+                    help="context lengths in tokens")
+    bc.add_argument("--repeats", type=int, default=3)
+    bc.add_argument("--cold", action="store_true", help="drop the page cache before restores")
+    bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
+    bc.add_argument("--json", help="write the record here")
+    bc.set_defaults(func=cmd_bench_crossover)
 
     d = sub.add_parser("demo", help="mount a demo kvfs with real KV blocks in it")
     d.add_argument("dir", nargs="?", default="demo", help="where to put it (default ./demo)")
