@@ -62,6 +62,8 @@ import torch  # noqa: E402
 
 import kvfs  # noqa: E402
 from kvfs import control  # noqa: E402
+from kvfs.bench.common import cpu_model, filesystem_of, memory_gib  # noqa: E402
+from kvfs.bench.common import read_text as _read  # noqa: E402
 from kvfs.client import KVCache  # noqa: E402
 from kvfs.hashing import ModelSpec  # noqa: E402
 from kvfs.transport import host_view, preadv_all  # noqa: E402
@@ -90,62 +92,6 @@ def median(xs: Sequence[float]) -> float:
 
 
 # -- conditions ------------------------------------------------------------------------------
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
-def _cpu_model() -> str:
-    for line in _read("/proc/cpuinfo").splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
-
-
-def _mem_gib() -> float:
-    for line in _read("/proc/meminfo").splitlines():
-        if line.startswith("MemTotal:"):
-            return round(int(line.split()[1]) / 2**20, 1)
-    return 0.0
-
-
-def filesystem_of(path: str) -> dict[str, Any]:
-    """Type, source device and kind of the filesystem holding ``path``."""
-    real = os.path.realpath(path)
-    best: dict[str, str] = {}
-    for line in _read("/proc/self/mountinfo").splitlines():
-        left, _, right = line.partition(" - ")
-        f, r = left.split(), right.split()
-        if len(f) < 5 or len(r) < 2:
-            continue
-        mnt = f[4].replace("\\040", " ")
-        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-        if inside and len(mnt) >= len(best.get("mnt", "")):
-            best = {"mnt": mnt, "type": r[0], "source": r[1]}
-    out: dict[str, Any] = {"type": best.get("type"), "source": best.get("source"),
-                           "mountpoint": best.get("mnt")}
-    st = os.stat(real)
-    sysdev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    if os.path.exists(sysdev):
-        blk = os.path.realpath(sysdev)
-        if os.path.exists(os.path.join(blk, "partition")):
-            blk = os.path.dirname(blk)
-        rot = _read(os.path.join(blk, "queue", "rotational")).strip()
-        out.update(
-            device=os.path.basename(blk),
-            kind=("virtio disk" if "virtio" in blk else "NVMe SSD"
-                  if os.path.basename(blk).startswith("nvme") else
-                  "rotational disk" if rot == "1" else "SSD" if rot == "0" else "unknown"),
-            model=_read(os.path.join(blk, "device", "model")).strip() or None,
-            size_gib=round(int(_read(os.path.join(blk, "size")).strip() or 0) * 512 / 2**30, 1),
-            read_ahead_kb=int(_read(os.path.join(blk, "queue", "read_ahead_kb")).strip() or 0),
-        )
-    return out
 
 
 def busy_cpus(seconds: float = 1.0) -> float:
@@ -181,10 +127,10 @@ def conditions(work: str) -> dict[str, Any]:
     dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "kvfs"],
                            capture_output=True, text=True).stdout.split("\n")
     return {
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)),
-        "memory_gib": _mem_gib(),
+        "memory_gib": memory_gib(),
         "kernel": platform.release(),
         "filesystem": filesystem_of(work),
         "python": platform.python_version(),

@@ -58,6 +58,8 @@ def filesystem_of(path: str) -> dict[str, Any]:
         out.update(
             device=name, model=model or None,
             rotational=rot == "1" if rot else None,
+            read_ahead_kb=int(read_text(os.path.join(blk, "queue", "read_ahead_kb")).strip()
+                              or 0),
             kind=("virtio disk" if "virtio" in blk else "NVMe SSD" if name.startswith("nvme")
                   else "device-mapper/RAID volume" if name.startswith(("dm-", "md"))
                   else "rotational disk" if rot == "1" else "SSD" if rot == "0"
