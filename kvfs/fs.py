@@ -541,6 +541,14 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EINVAL)
         return parent
 
+    def _new_entry(self, parent_inode: int, name: bytes, *, is_dir: bool, ctx: Any) -> Node:
+        """The parent of a name about to be created (mkdir, create, symlink), checked."""
+        parent = self._check_parent(parent_inode, is_dir=is_dir, name=name, ctx=ctx)
+        if self.index.lookup(parent.inode, name) is not None:
+            raise FUSEError(errno.EEXIST)
+        self._creating(parent, name)
+        return parent
+
     def _owner_gid(self, parent: Node, ctx: Any) -> int:
         return parent.gid if parent.mode & stat.S_ISGID else ctx.gid
 
@@ -824,10 +832,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any
                     ) -> pyfuse3.EntryAttributes:
-        parent = self._check_parent(parent_inode, is_dir=True, name=name, ctx=ctx)
-        if self.index.lookup(parent.inode, name) is not None:
-            raise FUSEError(errno.EEXIST)
-        self._creating(parent, name)
+        parent = self._new_entry(parent_inode, name, is_dir=True, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         if parent.mode & stat.S_ISGID:
             mode |= stat.S_ISGID
@@ -893,10 +898,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
-        if self.index.lookup(parent.inode, name) is not None:
-            raise FUSEError(errno.EEXIST)
-        self._creating(parent, name)
+        parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
@@ -1154,10 +1156,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any
                       ) -> pyfuse3.EntryAttributes:
-        parent = self._check_parent(parent_inode, is_dir=False, name=name, ctx=ctx)
-        if self.index.lookup(parent.inode, name) is not None:
-            raise FUSEError(errno.EEXIST)
-        self._creating(parent, name)
+        parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
         await self._io(self.store.symlink, target, path, ctx.uid, gid)

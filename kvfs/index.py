@@ -344,16 +344,6 @@ class Index:
             "ORDER BY atime_ns", (0o170000, stat.S_IFREG, ORPHAN_PARENT))
         return (_node(r) for r in rows)
 
-    def block_inodes(self, ns: int, hashes: list[bytes]) -> dict[bytes, int]:
-        out: dict[bytes, int] = {}
-        for i in range(0, len(hashes), 500):
-            chunk = hashes[i:i + 500]
-            marks = ",".join("?" * len(chunk))
-            out.update(self.db.execute(
-                f"SELECT block_hash, inode FROM nodes WHERE ns=? AND block_hash IN ({marks}) "
-                "AND parent != ?", (ns, *chunk, ORPHAN_PARENT)))
-        return out
-
     def expired(self, tenant: int, idle_before_ns: int, written_before_ns: int,
                 limit: int = 1000) -> list[Node]:
         """Unpinned files of a tenant idle since, or written before, the given times."""
