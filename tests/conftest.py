@@ -74,7 +74,31 @@ class Mount:
         return self.log.read_text() if self.log.exists() else ""
 
 
+def abort_connection(mnt: Path) -> None:
+    """Abort the FUSE connection of `mnt` (fusectl), failing every request still waiting on
+    it. A daemon killed with SIGKILL can be left unable to exit: a thread of it inside a kernel
+    notification waits on a directory lock that a request it will never answer holds; the
+    connection then lives on, and processes using the mount hang, until it is aborted."""
+    dev = None
+    with open("/proc/self/mountinfo") as f:  # (a stat of the mount point would hang too)
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and fields[4] == str(mnt):
+                dev = fields[2]
+    if dev is None:
+        return
+    conns = "/sys/fs/fuse/connections"
+    if not os.listdir(conns):
+        subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
+    try:
+        with open(f"{conns}/{dev.split(':')[1]}/abort", "w") as f:
+            f.write("1")
+    except OSError:
+        pass
+
+
 def force_unmount(mnt: Path) -> None:
+    abort_connection(mnt)
     if os.path.ismount(mnt):
         subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
     if os.path.ismount(mnt):

@@ -106,10 +106,10 @@ def test_sigkill_at_random_points(mount_factory, tmp_path):
         assert worker.stdout.readline().strip() == "ready", worker.stderr.read()
         time.sleep(rng.uniform(0.2, 1.5))
         os.kill(m.pid(), signal.SIGKILL)
+        force_unmount(m.mnt)  # before waiting on the worker: see conftest.abort_connection
         worker.kill()
         out, err = worker.communicate()
         assert "WRONG KV" not in out, "a load returned KV that is not the block's"
-        force_unmount(m.mnt)
         m.start()  # the mount reconciles the index itself after an unclean stop
         assert m.stats()["used_bytes"] <= cap
         m.stop()

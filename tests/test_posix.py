@@ -12,7 +12,7 @@ import pytest
 
 from kvfs import blockfile, hashing
 
-from .conftest import kvfs, run_as
+from .conftest import force_unmount, kvfs, run_as
 
 UID_A, GID_A = 1000, 1000
 UID_B, GID_B = 1001, 1001
@@ -353,9 +353,9 @@ def test_sigkill_during_writes_recovers(mount, tenant):
     assert writer.stdout.readline().strip() == "ok"
     assert (mount.backing / "acme" / "ns" / "partial").exists()
     os.kill(mount.pid(), 9)
+    force_unmount(mount.mnt)  # before waiting on the writer: see conftest.abort_connection
     writer.kill()
     writer.wait()
-    sh("fusermount3", "-u", str(mount.mnt), check=False)
     stray = mount.backing / "acme" / "ns" / ".kvfs-tmp.abc"
     stray.write_bytes(b"temporary of a direct-path writer")
     mount.start()
