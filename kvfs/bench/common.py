@@ -95,3 +95,34 @@ def conditions(dirs: list[str]) -> dict[str, Any]:
         "load_average": os.getloadavg(), "kernel": platform.release(),
         "versions": versions, "filesystems": {d: filesystem_of(d) for d in dirs},
     }
+
+
+def add_output_args(parser: Any) -> None:
+    """The options every `kvfs bench` subcommand shares: where its record and plot go."""
+    parser.add_argument("--out", default=".",
+                        help="directory for BENCHMARK.json and BENCHMARK.png (default: here)")
+    parser.add_argument("--json", help="write the JSON record here instead (plot beside it)")
+
+
+def finish(record: dict[str, Any], args: Any, table: str) -> int:
+    """Print the table, write the JSON record and its PNG plot; the tail of every subcommand.
+
+    The record is the source of truth: `kvfs bench report` renders docs from records alone,
+    and the plot is drawn from the record (never from state the record lacks).
+    """
+    import json  # noqa: PLC0415
+
+    from . import plot  # noqa: PLC0415
+
+    print(table)
+    name = record["benchmark"]
+    path = args.json or os.path.join(args.out, f"{name}.json")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    png = os.path.splitext(path)[0] + ".png"
+    drawn = plot.draw(record, png)  # None when matplotlib is absent: said, not fatal
+    record["plot"] = os.path.basename(png) if drawn else None
+    with open(path, "w") as f:
+        f.write(json.dumps(record, indent=2) + "\n")
+    print(f"record: {path}" + (f"; plot: {png}" if drawn else "; no plot (matplotlib "
+                                                             "is not installed)"))
+    return 0
