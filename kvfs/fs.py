@@ -1270,7 +1270,11 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
-        if inode < 1000 and inode != ROOT_INODE or not name.startswith(b"user."):
+        if not name.startswith(b"user."):
+            # Only the user namespace exists here (as setxattr says): ENOTSUP, not ENODATA,
+            # tells tools such as `ls -l` that asking this file system again is pointless.
+            raise FUSEError(errno.ENOTSUP)
+        if inode < 1000 and inode != ROOT_INODE:
             raise FUSEError(pyfuse3.ENOATTR)
         node = self.index.get(inode)
         if name.startswith(XATTR_PREFIX):
