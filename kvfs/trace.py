@@ -21,7 +21,9 @@ not tuned on (``python -m kvfs.trace agentic out.jsonl --set sessions=500`` writ
 from __future__ import annotations
 
 import argparse
+import heapq
 import inspect
+import itertools
 import json
 import math
 import random
@@ -119,12 +121,16 @@ def agentic_trace(
     think_s: float = 6.0,
     idle_prob: float = 0.1,
     idle_s: float = 900.0,
+    concurrency: int = 0,
     seed: int = 0,
 ) -> list[Request]:
     """A trace of concurrent multi-turn agent sessions (see the module docstring).
 
     ``sessions`` start as a Poisson process, one every ``arrival_s`` seconds on average, and
-    last a geometric number of turns (mean ``turns``). Agent ``a`` of ``agents`` (Zipf
+    last a geometric number of turns (mean ``turns``). With ``concurrency`` N > 0 they run
+    closed-loop instead: N users, each starting a new session (after an exponential pause of
+    mean ``arrival_s``) when its last one ends, so that N sessions are interleaved at any
+    time; the sessions themselves are the same whatever N. Agent ``a`` of ``agents`` (Zipf
     popularity) has its own ``prefix_tokens``-token prefix. New tokens per turn are lognormal
     around ``turn_tokens`` (``first_tokens`` for the first turn), answers around
     ``output_tokens``. Between turns: a lognormal think time around ``think_s``, or with
@@ -135,9 +141,15 @@ def agentic_trace(
     weights = [1.0 / (a + 1) for a in range(agents)]
     shared = prefix_tokens // block_tokens  # blocks made of prefix tokens only
     out: list[tuple[float, int, int, list[int]]] = []
+    if concurrency < 0:
+        raise ValueError(f"concurrency must be >= 0, got {concurrency}")
     start = 0.0
+    users = [0.0] * concurrency  # closed loop: when each user is free again (a heap)
     for s in range(sessions):
-        start += rng.expovariate(1.0 / arrival_s)
+        if concurrency:
+            start = heapq.heappop(users) + rng.expovariate(1.0 / arrival_s)
+        else:
+            start += rng.expovariate(1.0 / arrival_s)
         agent = rng.choices(range(agents), weights)[0]
         n_turns = 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / turns))
         t, epoch, history = start, 0, 0  # history: session tokens after the shared prefix
@@ -164,6 +176,8 @@ def agentic_trace(
             new = _lognormal(rng, turn_tokens, 1.0, 8, max_context // 4)
             gap = rng.expovariate(1.0 / idle_s) if rng.random() < idle_prob else 0.0
             t += gap + _lognormal(rng, think_s, 0.8, 0, 600) + length / 20_000  # + prefill
+        if concurrency:
+            heapq.heappush(users, t)
     return _finish(out)
 
 
@@ -209,10 +223,133 @@ def mixed_trace(
     return _finish(out)
 
 
+def _quantiles(values: Sequence[float], qs: Sequence[float] = (0.05, 0.1, 0.5, 0.9, 0.95)
+               ) -> dict[str, float]:
+    """Nearest-rank quantiles (``p5``, ``p50``...) plus min, max and mean; {} when empty."""
+    if not values:
+        return {}
+    v = sorted(values)
+    out = {"min": v[0]}
+    for q in qs:
+        out[f"p{q * 100:g}"] = v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+    out.update(max=v[-1], mean=sum(v) / len(v))
+    return out
+
+
+def describe(requests: Sequence[Request], *, block_tokens: int = BLOCK_TOKENS,
+             long_gap_s: float = 300.0) -> dict:
+    """What a trace is like, measured from its records alone (so any Mooncake-format trace):
+
+    - ``reuse``: per request, the share of its input tokens in the leading run of blocks that
+      an earlier request already sent (what a cache of unbounded size would hit), in %.
+    - ``shared_prefix_tokens``: per request, the depth of the deepest block of its chain at
+      which conversations branch (two or more chains go on below it), in tokens: the prefix
+      it shares with other conversations (a system prompt and tools). A block only some
+      request's partial last block follows is no branch: that is one conversation's turn.
+    - Conversations, inferred from the branching: a request belongs to the chain below its
+      deepest branch point (a session after a history compaction counts as a new one).
+      ``concurrency``: at each request's arrival, the conversations whose first request has
+      arrived and whose last has not yet. ``gaps_s``: the pauses between a conversation's
+      consecutive requests; ``long_gaps``: those over ``long_gap_s`` seconds.
+    """
+    children: dict[int, set[int]] = {}
+    for r in requests:
+        parent = -1
+        for h in r.hash_ids:
+            children.setdefault(parent, set()).add(h)
+            parent = h
+    inner = set(children)  # blocks that some request goes on after
+    branch = {p for p, kids in children.items() if p != -1 and len(kids & inner) >= 2}
+    seen: set[int] = set()
+    reuse, shared, tokens, hit = [], [], 0, 0
+    spans: dict[int, list[float]] = {}  # conversation -> its request times (s)
+    for i, r in enumerate(requests):
+        n = 0
+        for h in r.hash_ids:
+            if h not in seen:
+                break
+            n += 1
+        seen.update(r.hash_ids)
+        got = min(n * block_tokens, r.input_length)
+        tokens += r.input_length
+        hit += got
+        reuse.append(100.0 * got / r.input_length if r.input_length else 0.0)
+        depth = max((k + 1 for k, h in enumerate(r.hash_ids) if h in branch), default=0)
+        shared.append(min(depth * block_tokens, r.input_length))
+        below = r.hash_ids[depth:]
+        conv = next((h for h in below if h in inner), below[0] if below else -2 - i)
+        spans.setdefault(conv, []).append(r.timestamp / 1000)
+    gaps = [b - a for times in spans.values() for a, b in itertools.pairwise(times)]
+    ends = sorted((t[0], t[-1]) for t in spans.values())
+    active = []
+    if requests:
+        import bisect  # noqa: PLC0415
+
+        starts, last = [a for a, _ in ends], sorted(b for _, b in ends)
+        for r in requests:
+            t = r.timestamp / 1000
+            active.append(bisect.bisect_right(starts, t) - bisect.bisect_left(last, t))
+    span_s = (requests[-1].timestamp - requests[0].timestamp) / 1000 if requests else 0.0
+    return {
+        "requests": len(requests),
+        "distinct_blocks": len({h for r in requests for h in r.hash_ids}),
+        "input_tokens": tokens,
+        "duration_s": round(span_s, 1),
+        "reuse_percent": {k: round(v, 2) for k, v in _quantiles(reuse).items()},
+        "reused_tokens_percent": round(100.0 * hit / tokens, 2) if tokens else 0.0,
+        "requests_85_to_99_percent": (round(100.0 * sum(85 <= x <= 99 for x in reuse)
+                                            / len(reuse), 1) if reuse else 0.0),
+        "shared_prefix_tokens": {k: round(v) for k, v in _quantiles(shared).items()},
+        "conversations": len(spans),
+        "concurrency": {k: round(v, 1) for k, v in _quantiles(active, (0.1, 0.5, 0.9)).items()},
+        "gaps_s": {k: round(v, 1) for k, v in _quantiles(gaps, (0.5, 0.9, 0.99)).items()},
+        "long_gaps": sum(g > long_gap_s for g in gaps),
+        "long_gap_s": long_gap_s,
+    }
+
+
 GENERATORS: dict[str, Callable[..., list[Request]]] = {
     "agentic": agentic_trace,
     "mixed": mixed_trace,
 }
+
+
+def generator_options(kind: str, items: Iterable[str]) -> dict:
+    """``NAME=VALUE`` strings as keyword arguments of generator ``kind``, typed like their
+    defaults; ValueError naming what is wrong."""
+    if kind not in GENERATORS:
+        raise ValueError(f"no trace generator {kind!r} (known: {', '.join(GENERATORS)})")
+    defaults = {n: p.default for n, p in inspect.signature(GENERATORS[kind]).parameters.items()}
+    options = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or name not in defaults:
+            raise ValueError(f"{kind} has no option {name!r}; options: {', '.join(defaults)}")
+        try:
+            options[name] = type(defaults[name])(value)
+        except ValueError:
+            raise ValueError(f"{name}: not a {type(defaults[name]).__name__}: {value!r}"
+                             ) from None
+    return options
+
+
+def format_description(d: dict) -> str:
+    """`describe`'s figures as a short table."""
+    def dist(q: dict, unit: str = "") -> str:
+        return ", ".join(f"{k} {v:g}{unit}" for k, v in q.items()) or "-"
+
+    return "\n".join([
+        f"{d['requests']} requests, {d['distinct_blocks']} distinct blocks, "
+        f"{d['input_tokens']} input tokens over {d['duration_s']:g} s",
+        f"{'shared prefix (tokens)':<26} {dist(d['shared_prefix_tokens'])}",
+        f"{'input reused per request':<26} {dist(d['reuse_percent'], ' %')}",
+        f"{'':<26} {d['reused_tokens_percent']:g} % of all input tokens; "
+        f"{d['requests_85_to_99_percent']:g} % of requests reuse 85-99 %",
+        f"{'conversations':<26} {d['conversations']}",
+        f"{'active at once':<26} {dist(d['concurrency'])}",
+        f"{'gaps within one (s)':<26} {dist(d['gaps_s'])}",
+        f"{'':<26} {d['long_gaps']} gaps over {d['long_gap_s']:g} s",
+    ])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -229,18 +366,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a generator option (see its docstring), e.g. sessions=500; repeatable",
     )
     args = ap.parse_args(argv)
-    gen = GENERATORS[args.kind]
-    defaults = {n: p.default for n, p in inspect.signature(gen).parameters.items()}
-    options = {}
-    for item in args.set:
-        name, _, value = item.partition("=")
-        if name not in defaults:
-            ap.error(f"{args.kind} has no option {name!r}; options: {', '.join(defaults)}")
-        try:
-            options[name] = type(defaults[name])(value)
-        except ValueError:
-            ap.error(f"{name}: not a {type(defaults[name]).__name__}: {value!r}")
-    requests = gen(**options)
+    try:
+        options = generator_options(args.kind, args.set)
+    except ValueError as exc:
+        ap.error(str(exc))
+    requests = GENERATORS[args.kind](**options)
     write_trace(args.out, requests)
     blocks = len({key for r in requests for key in r.hash_ids})
     print(f"{args.out}: {len(requests)} requests, {blocks} distinct blocks", file=sys.stderr)
