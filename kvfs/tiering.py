@@ -7,7 +7,9 @@ threads with deadlines, circuit breakers and one fetch per key at a time:
   block delivers it into a temporary beside its hot path; the bytes are verified (header,
   size, checksum, name) before the temporary is renamed into place. A tier past its deadline
   or failing is a miss (counted); its breaker opens after repeated failures, so a dead store
-  costs one deadline, not one per block. Concurrent fetches of one key wait on the first.
+  costs one deadline, not one per block (nor one per batch of blocks: fetches that were
+  waiting for a thread when the circuit opened are skipped, not made). Concurrent fetches of
+  one key wait on the first.
 - `demote(key, rel)`: eviction puts the block into the first lower tier before the hot copy
   is unlinked.
 - `enqueue_upload(key, rel)`: write-through publishing to the shared tiers, asynchronous:
@@ -63,6 +65,10 @@ class TierCounters:
             if seconds <= bound:
                 self.latency[i] += 1
                 return
+
+
+class _Refused(Exception):
+    """A call not made: its tier's circuit opened while the call waited for a thread."""
 
 
 @dataclass
@@ -151,11 +157,15 @@ class Tiering:
         return fetch_deadline(size if size is not None else DEFAULT_BLOCK_BYTES, floor=1.0)
 
     async def _call(self, i: int, fn: Callable[..., Any], *args: Any,
-                    timeout: float) -> tuple[bool, Any]:
+                    timeout: float, opens: int | None = None) -> tuple[bool, Any]:
         """Run a blocking tier call with a deadline: (done, result). The deadline starts when
         the call gets a thread (waiting for one is not the tier's fault); a call past it is
-        abandoned (its thread finishes on its own) and counted as a timeout."""
+        abandoned (its thread finishes on its own) and counted as a timeout. With `opens`
+        (the breaker's `opens` when the call was allowed), a call whose tier's circuit opened
+        while it waited for a thread raises `_Refused` instead of paying another deadline."""
         async with self.limiter:
+            if opens is not None and self.breakers[i].opens != opens:
+                raise _Refused
             with trio.move_on_after(timeout):
                 return True, await trio.to_thread.run_sync(fn, *args, limiter=self._threads,
                                                            abandon_on_cancel=True)
@@ -184,6 +194,7 @@ class Tiering:
                      size: int | None) -> Fetched | None:
         for i, tier in enumerate(self.tiers):
             c, breaker = self.counters[i], self.breakers[i]
+            opens = breaker.opens
             if not breaker.allow():
                 c.skipped += 1
                 continue
@@ -202,7 +213,11 @@ class Tiering:
 
             start = time.monotonic()
             try:
-                done, got = await self._call(i, work, timeout=self.deadline(size))
+                done, got = await self._call(i, work, timeout=self.deadline(size),
+                                             opens=opens)
+            except _Refused:
+                c.skipped += 1
+                continue
             except TierError as exc:
                 c.errors += 1
                 breaker.failure()

@@ -217,3 +217,51 @@ def test_concurrent_fetches_of_one_block_share_one_fetch(tmp_path):
     trio.run(main)
     assert calls == [key]
     assert len(results) == 8 and all(r is not None and r.header.block_hash == h for r in results)
+
+
+def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
+    """In-process: more fetches at once than there are tier threads, on a tier that never
+    answers. The first batch times out and opens the circuit; the fetches that were waiting
+    for a thread are then skipped, not made (each would cost another deadline)."""
+    import threading
+
+    import trio
+
+    from kvfs.tiering import Tiering
+    from kvfs.tiers import DirTier
+
+    release = threading.Event()
+    calls = []
+
+    class DeadTier(DirTier):
+        def get(self, key, dest):
+            calls.append(key)
+            release.wait(10)
+            return False
+
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    results = []
+
+    async def main():
+        tiering = Tiering([DeadTier(str(tmp_path / "cold"))], trio.CapacityLimiter(4),
+                          fetch_timeout=0.2, breaker_cooldown=60)
+
+        async def one(i):
+            h = hashing.block_hashes([i] * 16, 16)[0]
+            results.append(await tiering.fetch(f"t/ns/{hashing.block_relpath(h)}",
+                                               str(hot / f"{i}.kv"), (0, 0, 0o644)))
+
+        async with trio.open_nursery() as n:
+            for i in range(16):
+                n.start_soon(one, i)
+        return tiering
+
+    try:
+        tiering = trio.run(main)
+    finally:
+        release.set()
+    c = tiering.counters[0]
+    assert results == [None] * 16
+    assert len(calls) == 4 and c.timeouts == 4 and c.skipped == 12
+    assert tiering.breakers[0].state == "open"
