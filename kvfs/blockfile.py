@@ -36,7 +36,10 @@ DTYPE_SIZES: dict[str, int] = {
 # magic, version, header size, block hash, parent hash, fingerprint, token count, ndim,
 # dtype, shape[8], payload length, payload checksum, header checksum -> 176 bytes.
 _HEADER = struct.Struct("<8sII16s16s16sII16s8QQQQ")
-_HCSUM_OFF = 168
+_BHASH_OFF, _PHASH_OFF, _FP_OFF, _CSUM_OFF, _HCSUM_OFF = 16, 32, 48, 160, 168
+_TAIL = struct.Struct("<QQ")  # payload checksum, header checksum
+_ZERO8 = bytes(8)
+_RESERVED = bytes(HEADER_SIZE - _HEADER.size)  # after the fields: all zero
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 
@@ -163,13 +166,21 @@ def encode_header(h: BlockHeader) -> bytes:
     return bytes(buf)
 
 
+def _header_checksum(mv: memoryview) -> int:
+    """xxh3_64 of the 4096-byte header in ``mv`` with its own checksum field zeroed (no copy)."""
+    x = xxhash.xxh3_64()
+    x.update(mv[:_HCSUM_OFF])
+    x.update(_ZERO8)
+    x.update(mv[_HCSUM_OFF + 8:HEADER_SIZE])
+    return x.intdigest()
+
+
 def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     """Parse and check the header at the start of ``buf`` (at least 4096 bytes)."""
     mv = _view(buf)
     if mv.nbytes < HEADER_SIZE:
         raise BlockFormatError("short", f"{mv.nbytes} bytes, header needs {HEADER_SIZE}")
-    head = bytes(mv[:HEADER_SIZE])
-    vals = _HEADER.unpack_from(head)
+    vals = _HEADER.unpack_from(mv)
     magic, version, hsize, bhash, phash, fp, tokens, ndim, raw_dtype = vals[:9]
     shape8, (plen, csum, hcsum) = vals[9:17], vals[17:]
     if magic != MAGIC:
@@ -185,17 +196,51 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     name = raw_dtype.rstrip(b"\x00")
     if b"\x00" in name or name.decode("latin-1") not in DTYPE_SIZES:
         raise BlockFormatError("header", f"unknown dtype {raw_dtype!r}")
-    zeroed = head[:_HCSUM_OFF] + bytes(8) + head[_HCSUM_OFF + 8 :]
-    actual = xxhash.xxh3_64_intdigest(zeroed)
+    actual = _header_checksum(mv)
     if actual != hcsum:
         raise BlockFormatError(
             "header-checksum", f"header checksum {hcsum:#018x}, computed {actual:#018x}"
         )
-    if head.count(0, _HEADER.size) != HEADER_SIZE - _HEADER.size:
+    if mv[_HEADER.size:HEADER_SIZE].tobytes() != _RESERVED:
         raise BlockFormatError("header", f"reserved bytes {_HEADER.size}..{HEADER_SIZE} not zero")
     h = BlockHeader(bhash, phash, fp, tokens, name.decode(), tuple(shape8[:ndim]), plen, csum)
     _validate(h)
     return h
+
+
+class HeaderCheck:
+    """The header every block of one model spec must have, checked by comparing bytes.
+
+    A reader that knows the spec expects every header field but the parent hash and the two
+    checksums: :meth:`payload_checksum` compares those byte ranges with a header encoded once
+    from the spec, checks the header checksum, and returns the payload checksum the header
+    records. It returns None for any other header (a corrupt one, another spec's, or a valid
+    one that differs in a field the fast check pins, such as the token count); the caller
+    then runs :func:`decode_header` and :func:`check` for the verdict and its reason. So a
+    header it accepts is one those two accept: it is a shortcut, never a looser rule.
+    """
+
+    def __init__(self, *, fingerprint: bytes, token_count: int, dtype: str,
+                 shape: Sequence[int]) -> None:
+        plen = _shape_bytes(dtype, tuple(shape))
+        head = encode_header(BlockHeader(bytes(16), bytes(16), bytes(fingerprint), token_count,
+                                         dtype, tuple(shape), plen, 0))
+        self.payload_len = plen
+        self.file_size = HEADER_SIZE + padded_size(plen)
+        self._lead = head[:_BHASH_OFF]  # magic, version, header size
+        self._mid = head[_FP_OFF:_CSUM_OFF]  # fingerprint .. payload length
+
+    def payload_checksum(self, buf: bytearray, block_hash: bytes) -> int | None:
+        """The payload checksum recorded in ``buf`` (a 4096-byte header) if the header is
+        exactly this spec's for ``block_hash``; None otherwise."""
+        if (buf[:_BHASH_OFF] != self._lead or buf[_BHASH_OFF:_PHASH_OFF] != block_hash
+                or buf[_FP_OFF:_CSUM_OFF] != self._mid
+                or buf[_HEADER.size:HEADER_SIZE] != _RESERVED):
+            return None
+        csum, hcsum = _TAIL.unpack_from(buf, _CSUM_OFF)
+        if _header_checksum(memoryview(buf)) != hcsum:
+            return None
+        return int(csum)
 
 
 def encode_parts(

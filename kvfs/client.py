@@ -51,17 +51,25 @@ import queue
 import resource
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import blockfile, control
-from .hashing import ROOT_PARENT, ModelSpec, block_relpath
+from .hashing import ROOT_PARENT, ModelSpec
 from .hashing import block_hashes as _block_hashes
 from .store import TEMP_PREFIX
-from .transport import OpenBlock, PosixTransport, checksum, host_view, preadv_all, pwritev_all
+from .transport import (
+    OpenBlock,
+    PosixTransport,
+    checksum,
+    host_view,
+    preadv_all,
+    pwritev_all,
+    read_file,
+)
 from .transport import select as select_transport
 
 log = logging.getLogger(__name__)
@@ -73,6 +81,9 @@ TIERS_XATTR = "user.kvfs.tiers"
 SAMPLE_EVERY = 8
 #: The soft open-file limit a client raises itself to (within the hard limit).
 FD_LIMIT = 65536
+#: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
+#: below that, a thread hand-off costs more than the read it would take over.
+THREAD_BYTES = 1 << 20
 _TEMP = os.fsdecode(TEMP_PREFIX)
 _ZEROS = memoryview(bytes(blockfile.ALIGN))
 _DTYPES = {name: getattr(torch, name) for name in blockfile.DTYPE_SIZES}
@@ -200,6 +211,15 @@ class KVCache:
         self._fingerprint, self._shape = spec.fingerprint, spec.block_shape
         self._layer_bytes = spec.block_payload_bytes // spec.num_layers
         self._file_bytes = blockfile.HEADER_SIZE + spec.block_payload_bytes
+        self._header_check = blockfile.HeaderCheck(
+            fingerprint=self._fingerprint, token_count=spec.block_size, dtype=spec.kv_dtype,
+            shape=self._shape)
+        self._pad = self._header_check.file_size - self._file_bytes
+        self._data_prefix = os.path.join(data_dir, "")
+        self._threads = threads
+        self._tls = threading.local()  # each I/O thread's header and probe buffers
+        # A lookup's access record, held back to travel with the load that follows it.
+        self._pending: tuple[dict[str, int], list[bytes]] | None = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
         self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
         self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -260,7 +280,7 @@ class KVCache:
         return cls(ns_dir, backing if direct else ns_dir, spec, direct=direct, **options)
 
     def close(self) -> None:
-        """Finish queued saves, then stop the I/O threads."""
+        """Finish queued saves, send a held-back access record, then stop the I/O threads."""
         with self._lock:
             if self._closed:
                 return
@@ -268,6 +288,7 @@ class KVCache:
         if self._writer is not None:
             self._saves.put(None)
             self._writer.join()
+        self._access(())
         self._loads.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
@@ -309,8 +330,33 @@ class KVCache:
         except OSError as exc:
             log.warning("%s on %s failed: %s", name.decode(), self.ns_dir, exc)
 
-    def _access(self, hashes: Sequence[bytes], **counts: int) -> None:
-        """One access record (more only past control.MAX_HASHES hit blocks)."""
+    def _access(self, hashes: Sequence[bytes], *, defer: bool = False, **counts: int) -> None:
+        """Send an access record (more only past control.MAX_HASHES hit blocks), with the one
+        held back before it, if any, merged in.
+
+        ``defer`` holds this one back instead (a lookup that found blocks: the load that
+        follows sends both in one call); a record already held back then goes alone, so a
+        lookup's record waits for at most the next request (or :meth:`close`).
+        """
+        with self._lock:
+            held, self._pending = self._pending, None
+            if defer:
+                self._pending = (counts, list(hashes))
+        if defer:
+            if held is None:
+                return
+            counts, hashes = held
+        elif held is not None:
+            merged = dict(held[0])
+            for k, v in counts.items():
+                merged[k] = merged.get(k, 0) + v
+            counts = merged
+            # A hit reported by the lookup and read by the load is one access, as in the
+            # simulator's model of a request.
+            hashes = list(dict.fromkeys([*held[1], *hashes]))
+        elif not hashes and not any(counts.values()):
+            return  # nothing to say
+        counts.setdefault("lookups", 0)
         m = control.MAX_HASHES
         self._report(control.ACCESS, control.Access(hashes=tuple(hashes[:m]), **counts).pack())
         for i in range(m, len(hashes), m):
@@ -325,15 +371,20 @@ class KVCache:
         return _block_hashes(token_ids, self.spec.block_size, parent=parent, extra=extra)
 
     def path(self, h: bytes) -> str:
-        """Where block ``h`` is read and written (backing directory, or the mount)."""
-        return os.path.join(self.data_dir, block_relpath(h))
+        """Where block ``h`` is read and written (backing directory, or the mount):
+        ``<data_dir>/<hh>/<hash>.kv`` (:func:`kvfs.hashing.block_relpath`)."""
+        if len(h) != 16:
+            raise ValueError(f"a block hash is 16 bytes, got {len(h)}")
+        x = h.hex()
+        return f"{self._data_prefix}{x[:2]}/{x}.kv"
 
     # -- lookup and prefetch -------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes]) -> int:
         """The length, in blocks, of the longest prefix of ``hashes`` that is cached."""
         n = self._hot_prefix(hashes, 0)
-        if n < len(hashes) and self.tiers:
+        fetched = n < len(hashes) and bool(self.tiers)
+        if fetched:
             # One control call: the daemon fetches what the lower tiers have (each fetch
             # within its deadline) and places it hot.
             for i in range(n, len(hashes), control.MAX_HASHES):
@@ -341,15 +392,17 @@ class KVCache:
                     list(hashes[i:i + control.MAX_HASHES])))
             n = self._hot_prefix(hashes, n)
         miss, bs = len(hashes) - n, self.spec.block_size
-        self._access(hashes[:n], lookups=1, hit_blocks=n, miss_blocks=miss,
-                     hit_tokens=n * bs, miss_tokens=miss * bs)
+        # A lookup that found blocks holds its record back for the load that follows (one
+        # control call per lookup + load); one that found none, or fetched, sends it now.
+        self._access(hashes[:n], defer=n > 0 and not fetched, lookups=1, hit_blocks=n,
+                     miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
         self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
         return n
 
     def _hot_prefix(self, hashes: Sequence[bytes], start: int) -> int:
-        n = start
+        n, path, exists = start, self.path, os.path.exists
         for h in hashes[start:]:
-            if not os.path.exists(self.path(h)):
+            if not exists(path(h)):
                 break
             n += 1
         return n
@@ -542,8 +595,10 @@ class KVCache:
         self._saves.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued save is written and published."""
+        """Wait until every queued save is written and published; send a held-back access
+        record."""
         self._saves.join()
+        self._access(())
 
     # -- load ----------------------------------------------------------------------------
 
@@ -551,14 +606,24 @@ class KVCache:
         """Read blocks into ``out[i]``; returns the number of leading blocks loaded."""
         blocks = self._blocks(out, len(hashes), "out")
         _stream_done(out)
-        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)])
+        views_of = None
+        if out.device.type == "cpu":
+            base, size = host_view(out), self.spec.block_payload_bytes
+            views_of = lambda i: [base[i * size:(i + 1) * size]]  # noqa: E731
+        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of)
 
     def load_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
                    block_ids: Sequence[int]) -> int:
         """Read block ``hashes[i]`` into page ``block_ids[i]`` of every layer."""
         pages = self._pages(layers, block_ids, len(hashes))
         _stream_done(layers[0])
-        return self._load(list(hashes), pages)
+        views_of = None
+        if all(t.device.type == "cpu" for t in layers):
+            bases, size = [host_view(t) for t in layers], self._layer_bytes
+            ids = [int(b) for b in block_ids[:len(hashes)]]
+            views_of = lambda i: [b[ids[i] * size:(ids[i] + 1) * size]  # noqa: E731
+                                  for b in bases]
+        return self._load(list(hashes), pages, views_of)
 
     def load_async(self, hashes: Sequence[bytes], out: torch.Tensor) -> LoadHandle:
         """Start a layer-wise load into ``out`` and return at once (see :class:`LoadHandle`).
@@ -583,33 +648,85 @@ class KVCache:
         self._loads.submit(run)
         return handle
 
-    def _load(self, hashes: list[bytes], dests_of: Callable[[int], list[torch.Tensor]]) -> int:
+    def _load(self, hashes: list[bytes], tensors_of: Callable[[int], list[torch.Tensor]],
+              views_of: Callable[[int], list[memoryview]] | None = None) -> int:
+        """Read block i into ``tensors_of(i)`` (host memory: into ``views_of(i)``, byte views
+        of the same memory). The calling thread reads too, beside as many pool threads as
+        the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
+        none reads past a block that failed."""
         prefix = _Prefix(len(hashes))
-        futures = [self._pool.submit(self._read_block, i, h, dests_of(i), prefix)
-                   for i, h in enumerate(hashes)]
-        return self._finish_load(hashes, [f.result() for f in futures], dests_of)
+        outcomes: list[_Outcome | None] = [None] * len(hashes)
+        if views_of is not None:
+            read: Callable[..., _Outcome] = self._read_host
+            dests: Callable[[int], list[Any]] = views_of
+        else:
+            read, dests = self._read_device, tensors_of
+        todo = iter(range(len(hashes)))  # next() on it is atomic: each block is read once
 
-    def _read_block(self, i: int, h: bytes, dests: list[torch.Tensor], prefix: _Prefix
-                    ) -> _Outcome:
-        """Header and payload in one read, straight into ``dests``; then verify."""
-        if prefix.beyond(i):
+        def work() -> None:
+            scratch = self._scratch()
+            for i in todo:
+                if not prefix.beyond(i):
+                    outcomes[i] = read(i, hashes[i], dests(i), prefix, scratch)
+
+        helpers = min(self._threads, len(hashes),
+                      len(hashes) * self._file_bytes // THREAD_BYTES) - 1
+        futures = [self._pool.submit(work) for _ in range(max(0, helpers))]
+        try:
+            work()
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+        return self._finish_load(hashes, outcomes, tensors_of)
+
+    def _scratch(self) -> tuple[bytearray, memoryview, memoryview]:
+        """This thread's header buffer (and a view of it) and its probe: the padding after
+        the payload and one byte more, which only an overlong file fills."""
+        s = getattr(self._tls, "scratch", None)
+        if s is None:
+            header = bytearray(blockfile.HEADER_SIZE)
+            s = self._tls.scratch = (header, memoryview(header),
+                                     memoryview(bytearray(self._pad + 1)))
+        return s
+
+    def _read_host(self, i: int, h: bytes, views: list[memoryview], prefix: _Prefix,
+                   scratch: tuple[bytearray, memoryview, memoryview]) -> _Outcome:
+        """Header, payload and probe in one `preadv` (hashed piecewise if large), straight
+        into ``views``; then verify. No `fstat`: the bytes read give the file's size."""
+        header, hview, probe = scratch
+        try:
+            total, csum = read_file(self.path(h), hview, views, probe, self._checksummed(h))
+        except FileNotFoundError:
+            prefix.fail(i)
             return _Outcome()
+        except OSError as exc:
+            prefix.fail(i)
+            return _Outcome(error=exc)
+        out = _Outcome(read=min(total, self._file_bytes))  # padding and probe not counted
+        try:
+            self._verify_read(h, header, total, csum)
+            out.ok = True
+        except blockfile.BlockFormatError as exc:
+            prefix.fail(i)
+            out.error = exc
+        return out
+
+    def _read_device(self, i: int, h: bytes, dests: list[torch.Tensor], prefix: _Prefix,
+                     scratch: tuple[bytearray, memoryview, memoryview]) -> _Outcome:
+        """The same for CUDA destinations, through the transport (staged, or kvikio)."""
+        header = scratch[0]
         out = _Outcome()
-        header = bytearray(blockfile.HEADER_SIZE)
         try:
             f = self.transport.open(self.path(h))
             try:
-                out.read, csum = self.transport.read(f, 0, dests, header,
-                                                     want_checksum=self._checksummed(h))
-                size = self.transport.size(f)
+                n, csum = self.transport.read(f, 0, dests, header,
+                                              want_checksum=self._checksummed(h))
+                size = self.transport.size(f) if n >= self._file_bytes else n
             finally:
                 self.transport.close(f)
-            hdr = self._verify_header(h, header, size)
-            if out.read < blockfile.HEADER_SIZE + hdr.payload_len:
-                raise blockfile.BlockFormatError("short", f"read {out.read} bytes")
-            if csum is not None and csum != hdr.checksum:
-                raise blockfile.BlockFormatError(
-                    "checksum", f"payload checksum {csum:#018x}, header says {hdr.checksum:#018x}")
+            out.read = n
+            self._verify_read(h, header, size, csum)
             out.ok = True
         except FileNotFoundError:
             prefix.fail(i)
@@ -618,15 +735,33 @@ class KVCache:
             out.error = exc
         return out
 
+    def _verify_read(self, h: bytes, header: bytearray, total: int, csum: int | None) -> None:
+        """Raise unless a read that gave ``header``, ``total`` bytes in all (the file's size,
+        or one more if it is longer) and payload checksum ``csum`` (None: not checked) is
+        block ``h`` of this spec, whole and sound."""
+        if total < blockfile.HEADER_SIZE:
+            raise blockfile.BlockFormatError(
+                "short", f"{total} bytes, header needs {blockfile.HEADER_SIZE}")
+        want = self._header_check.payload_checksum(header, h)
+        if want is None:  # not exactly the expected header: the full check says why
+            want = self._verify_header(h, header).checksum
+        size = self._header_check.file_size
+        if total != size:
+            raise blockfile.BlockFormatError(
+                "short" if total < size else "length",
+                f"file is {total if total < size else f'more than {size}'} bytes, "
+                f"expected {size}")
+        if csum is not None and csum != want:
+            raise blockfile.BlockFormatError(
+                "checksum", f"payload checksum {csum:#018x}, header says {want:#018x}")
+
     def _checksummed(self, h: bytes) -> bool:
         return self.verify == "full" or h[-1] % SAMPLE_EVERY == 0
 
-    def _verify_header(self, h: bytes, header: bytearray, size: int) -> blockfile.BlockHeader:
-        s = self.spec
+    def _verify_header(self, h: bytes, header: bytearray) -> blockfile.BlockHeader:
         hdr = blockfile.decode_header(header)
-        blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint, dtype=s.kv_dtype,
-                        shape=self._shape)
-        blockfile.verify_file_size(hdr, size)
+        blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint,
+                        dtype=self.spec.kv_dtype, shape=self._shape)
         return hdr
 
     def _open_verified(self, i: int, h: bytes, prefix: _Prefix) -> _Opened:
@@ -641,7 +776,8 @@ class KVCache:
         try:
             header = bytearray(blockfile.HEADER_SIZE)
             out.read = preadv_all(f.fd, [memoryview(header)], 0)
-            hdr = self._verify_header(h, header, self.transport.size(f))
+            hdr = self._verify_header(h, header)
+            blockfile.verify_file_size(hdr, self.transport.size(f))
         except (OSError, blockfile.BlockFormatError) as exc:
             self.transport.close(f)
             prefix.fail(i)
@@ -689,14 +825,14 @@ class KVCache:
                     self.transport.close(o.file)
         return self._finish_load(hashes, outcomes, lambda i: [blocks[i].reshape(-1)])
 
-    def _finish_load(self, hashes: list[bytes], outcomes: list[_Outcome],
+    def _finish_load(self, hashes: list[bytes], outcomes: Sequence[_Outcome | None],
                      dests_of: Callable[[int], list[torch.Tensor]]) -> int:
         """Zero what failed, report corrupt blocks, account: one control call (two with a
         corrupt block) whatever the number of blocks."""
-        n = next((i for i, o in enumerate(outcomes) if not o.ok), len(outcomes))
+        n = next((i for i, o in enumerate(outcomes) if o is None or not o.ok), len(outcomes))
         corrupt, mismatched = [], 0
         for i, o in enumerate(outcomes):
-            if o.ok or o.error is None:
+            if o is None or o.ok or o.error is None:
                 continue  # loaded, or absent (bytes past the prefix are valid or unread)
             for d in dests_of(i) if o.read else ():
                 d.zero_()
@@ -715,7 +851,7 @@ class KVCache:
         m = control.MAX_HASHES
         for k in range(0, len(corrupt), m):
             self._report(control.CORRUPT, control.pack_hashes(corrupt[k:k + m]))
-        read = sum(o.read for o in outcomes)
+        read = sum(o.read for o in outcomes if o is not None)
         self._access(hashes[:n], lookups=0, read_bytes=read, needed_bytes=n * self._file_bytes)
         self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
                     corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)

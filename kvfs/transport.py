@@ -37,8 +37,11 @@ from . import blockfile
 
 log = logging.getLogger(__name__)
 
-#: Payloads larger than this are read and checksummed in pieces of this size.
-HASH_PIECE = 1 << 20
+#: Payloads larger than this are read and checksummed in pieces of this size: each piece is
+#: hashed right after it lands, while it is still in this core's cache (L2-sized pieces
+#: measured best: 6.3 GB/s read+hash against 5.7 for 1 MiB pieces and 4.6 for read-then-hash
+#: of a 64 MiB block from the page cache, 7.6 for the read alone, on one core).
+HASH_PIECE = 256 << 10
 #: kvikio settings: its thread pool splits each read into tasks of this size.
 KVIKIO_THREADS = 16
 KVIKIO_TASK_SIZE = 1 << 20
@@ -104,6 +107,52 @@ def _pieces(views: list[memoryview], size: int) -> Iterator[list[memoryview]]:
                 piece, filled = [], 0
     if piece:
         yield piece
+
+
+def read_file(path: str, header: memoryview, views: list[memoryview], probe: memoryview,
+              want_checksum: bool) -> tuple[int, int | None]:
+    """Open ``path``, read ``header``, ``views`` and ``probe`` back to back from offset 0, close.
+
+    The host path of a block load: one `open`, one `preadv` (more for a payload hashed in
+    pieces, or a short transfer), one `close`. Returns the bytes read, ``probe`` included (so a
+    file longer than header + views + probe shows as a count that fills the probe; one of
+    the right size leaves its last byte empty), and, if asked, the checksum of the bytes in
+    ``views`` (None if the file ended before they were full). The probe's count is exact
+    unless a transfer stops short of the file's end exactly where the payload ends: then a
+    longer file looks the right size. Its header and payload were still read and checked
+    in full, so that costs no wrong bytes, only the size check's strictness.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        payload = sum(v.nbytes for v in views)
+        if not want_checksum or payload <= HASH_PIECE:
+            # Transfers go on until header and payload are full (or the file ends); the
+            # probe takes what the last one brings. So a sound file costs one preadv, where
+            # reading to the end of the file would cost a second one that returns 0.
+            need, n, bufs = header.nbytes + payload, 0, [header, *views, probe]
+            while n < need:
+                got = os.preadv(fd, bufs, n)
+                if not got:
+                    break
+                n += got
+                bufs = _advance(bufs, got)
+            if not want_checksum or n < need:
+                return n, None
+            return n, checksum(views)
+        x = xxhash.xxh3_64()  # streaming: the digest of the whole payload
+        n = 0
+        for k, piece in enumerate(_pieces(views, HASH_PIECE)):
+            bufs = [header, *piece] if k == 0 else piece
+            want = sum(b.nbytes for b in bufs)
+            got = preadv_all(fd, bufs, n)
+            n += got
+            if got < want:  # the file ends early: the caller sees the short count
+                return n, None
+            for p in piece:
+                x.update(p)
+        return n + preadv_all(fd, [probe], n), x.intdigest()
+    finally:
+        os.close(fd)
 
 
 def pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:

@@ -129,7 +129,9 @@ def test_lookup_is_the_cached_prefix(cache):
     assert cache.stats["lookups"] == 5
 
 
-def test_constant_control_calls(cache):
+def test_constant_control_calls(mount, cache):
+    """save: one call; lookup + load: one call together (the lookup's access record travels
+    with the load's), whatever the number of blocks; and every count reaches the daemon."""
     costs = []
     for n, start in ((1, 0), (64, 1000)):
         hashes = cache.block_hashes(tokens(n, start))
@@ -141,7 +143,28 @@ def test_constant_control_calls(cache):
             op(*args)
             cost.append(cache.stats["control_calls"] - before)
         costs.append(cost)
-    assert costs[0] == costs[1] == [1, 1, 1]
+    assert costs[0] == costs[1] == [1, 0, 1]
+    c = ns_stats(mount)
+    assert (c["lookups"], c["hit_blocks"], c["miss_blocks"]) == (2, 65, 0)
+    assert c["direct_needed_bytes"] == 65 * (4096 + SPEC.block_payload_bytes)
+    # A lookup that found nothing has no load to wait for: its record goes at once.
+    miss = cache.block_hashes(tokens(2, 5000))
+    before = cache.stats["control_calls"]
+    assert cache.lookup(miss) == 0
+    assert cache.stats["control_calls"] - before == 1
+    assert (ns_stats(mount)["lookups"], ns_stats(mount)["miss_blocks"]) == (3, 2)
+
+
+def test_held_back_lookup_records_are_not_lost(mount, tenant):
+    """A lookup's record waits for the next request at most, and close() sends it."""
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(3))
+        c.save(hashes, kv_of(hashes))
+        assert c.lookup(hashes) == 3  # held back
+        assert ns_stats(mount)["lookups"] == 0
+        assert c.lookup(hashes[:1]) == 1  # sends the first, holds back its own
+        assert (ns_stats(mount)["lookups"], ns_stats(mount)["hit_blocks"]) == (1, 3)
+    assert (ns_stats(mount)["lookups"], ns_stats(mount)["hit_blocks"]) == (2, 4)
 
 
 def test_corrupt_block_is_a_miss_and_quarantined(mount, cache):
@@ -220,7 +243,8 @@ def test_fallback_through_the_mount(mount, tenant, caplog):
             assert c.load(hashes, out) == 3
             assert torch.equal(out, kv)
             assert c.prefetch(hashes).result() == 3
-            assert c.stats["control_calls"] == 2  # no publish: the daemon saw the writes
+            # No publish (the daemon saw the writes); lookup + load: one access record.
+            assert c.stats["control_calls"] == 1
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "through the mount" in warnings[0].getMessage()
     path = c.path(hashes[0])
