@@ -447,6 +447,18 @@ def cmd_fsck(args: argparse.Namespace) -> int:
 # -- demo --------------------------------------------------------------------------------
 
 
+def cmd_bench_report(args: argparse.Namespace) -> int:
+    from .bench import report  # noqa: PLC0415
+
+    try:
+        count, missing = report.report(args.records, args.output, redraw=args.redraw)
+    except report.ReportError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    print(f"{args.output}: {count} records from {args.records}"
+          + (f"; not yet measured: {', '.join(missing)}" if missing else ""))
+    return 0
+
+
 def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     from .bench import hitrate  # noqa: PLC0415
 
@@ -570,6 +582,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (ratios and conditions, JSON records)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
+    br = bsub.add_parser("report", help="render docs/benchmarks.md from the JSON records")
+    br.add_argument("--records", default=os.path.join("docs", "bench"),
+                    help="directory of the records and their plots (default: docs/bench)")
+    br.add_argument("--output", default=os.path.join("docs", "benchmarks.md"),
+                    help="the markdown file to write (default: docs/benchmarks.md)")
+    br.add_argument("--redraw", action="store_true",
+                    help="draw every record's PNG again from the record (needs matplotlib)")
+    br.set_defaults(func=cmd_bench_report)
     bh = bsub.add_parser("hitrate", help="replay a request trace through a real mount")
     bh.add_argument("--trace", required=True,
                     help="a Mooncake-format JSONL file, or 'agentic' / 'mixed' (generated)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 import time
 from typing import Any
 
@@ -115,6 +116,7 @@ def finish(record: dict[str, Any], args: Any, table: str) -> int:
     from . import plot  # noqa: PLC0415
 
     print(table)
+    record.setdefault("command", list(sys.argv))  # how to reproduce it: `kvfs bench report`
     name = record["benchmark"]
     path = args.json or os.path.join(args.out, f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

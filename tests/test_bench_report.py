@@ -1,0 +1,315 @@
+"""Plots of benchmark records and `kvfs bench report`, from small hand-built records."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from kvfs.bench import common, plot, report
+
+from .conftest import kvfs
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def conditions(tmp_path: Path) -> dict:
+    return common.conditions([str(tmp_path)])
+
+
+def hitrate_record(tmp_path: Path, concurrency: bool = False) -> dict:
+    rows = []
+    for conc in ([1, 8, 32] if concurrency else [None]):
+        for fraction, blocks, lru, kv, opt in ((0.1, 4392, 26.10, 27.21, 50.63),
+                                               (0.25, 10981, 44.28, 46.81, 62.60)):
+            for policy, hit in (("lru", lru), ("kvfs", kv)):
+                row = {"policy": policy, "fraction": fraction, "capacity_blocks": blocks,
+                       "block_hit": hit - (conc or 1) / 10, "token_hit": hit + 0.5,
+                       "simulated_block_hit": hit, "optimum_block_hit": opt, "evictions": 9}
+                if conc is not None:
+                    row["sessions"] = conc
+                rows.append(row)
+    return {"benchmark": "hitrate", "trace": "/data/mooncake_synthetic_trace.jsonl",
+            "requests": 3993, "distinct_blocks": 43924, "block_kib": 4,
+            "scale": "each 512-token block stored as 4 KiB of payload", "rows": rows,
+            "command": ["/usr/local/bin/kvfs", "bench", "hitrate", "--trace",
+                        "mooncake_synthetic_trace.jsonl", "--policy", "lru"],
+            "conditions": conditions(tmp_path)}
+
+
+def crossover_record(tmp_path: Path) -> dict:
+    rows = [{"tokens": t, "restored_tokens": t - 16, "recompute_ms": rec, "restore_ms": res,
+             "speedup": round(rec / res, 2), "first_token": 7, "identical": True}
+            for t, rec, res in ((16, 15.2, 16.6), (64, 23.9, 44.0), (128, 31.0, 10.4),
+                                (1024, 265.1, 27.6))]
+    return {"benchmark": "crossover", "block_size": 16, "page_cache": "warm", "repeats": 3,
+            "rows": rows, "crossover_tokens": 128, "conditions": conditions(tmp_path)}
+
+
+def restore_record(tmp_path: Path) -> dict:
+    sizes = []
+    for mib in (1, 4, 16):
+        results = []
+        for threads in (1, 4):
+            for cache in ("cold", "warm"):
+                for k, method in enumerate(("raw", "direct", "mount", "torch.load")):
+                    gbps = (3.0 if cache == "warm" else 0.8) * mib ** 0.2 / (1 + k / 2)
+                    results.append({"block_mib": mib, "threads": threads, "cache": cache,
+                                    "method": method, "gbps": gbps, "x_raw": 1 / (1 + k / 2),
+                                    "amplification": 1.0 if method != "raw" else None})
+        sizes.append({"block_mib": mib, "results": results})
+    return {"benchmark": "restore", "sizes": sizes, "params": {"repeats": 5},
+            "control": {"blocks": 64, "payload_bytes": 8, "requests": 300, "request_ms": 6.3,
+                        "request_p90_ms": 9.0, "raw_preadv_ms": 0.35, "overhead_ms": 5.96,
+                        "control_calls_per_request": 2, "lookup_ms": 1.4, "load_ms": 4.9,
+                        "setxattr_ms": 0.15, "setxattr_64_ms": 0.38},
+            "verdicts": [{"target": "control overhead < 1 ms per 64-block request",
+                          "met": False, "measured": 5.96}],
+            "command": "python tools/bench_restore.py --quick",
+            "conditions": conditions(tmp_path)}
+
+
+def degraded_record(tmp_path: Path) -> dict:
+    """The shape `kvfs bench degraded` writes (one row with nested percentiles)."""
+    return {"benchmark": "degraded", "requests": 50, "tokens": 2048, "recompute_ms": 250.0,
+            "fetch_timeout_s": 1.0, "tier_cooldown_s": 2.0, "rows": [
+                {"condition": "miss", "count": 50, "p50_ms": 4.0, "p90_ms": 5.0,
+                 "p99_ms": 8.0, "max_ms": 9.0, "hit_blocks": 0, "asked_blocks": 3200,
+                 "latencies_ms": [4.0] * 50},
+                {"condition": "s3-slow", "count": 50, "latency_ms": {
+                    "p50": 60.0, "p90": 90.0, "p99": 160.0, "max": 170.0},
+                 "hit_blocks": 3200, "asked_blocks": 3200, "paid_deadline": 0,
+                 "paid_deadline_bound": 4},
+                {"condition": "dead-silent", "count": 50, "p50_ms": 5.0, "p99_ms": 1009.0,
+                 "hit_blocks": 0, "asked_blocks": 3200, "paid_deadline": 3,
+                 "paid_deadline_bound": 4}],
+            "skipped": {"s3": "SeaweedFS's weed binary is not installed"},
+            "conditions": conditions(tmp_path)}
+
+
+def mount_record(tmp_path: Path) -> dict:
+    return {"benchmark": "mount", "params": {"files": 8, "size_mib": 128},
+            "command": ["tools/bench_mount.py", "--json", "mount.json"],
+            "rows": [{"figure": "seq read, warm cache, 1 thread", "kvfs": 3.46, "baseline": 3.96,
+                      "unit": "GB/s", "baseline_name": "same files on the backing fs",
+                      "target": ">= 0.6x", "ok": True, "ratio": 3.46 / 3.96},
+                     {"figure": "ls -l (again), 100000 files in one dir", "kvfs": 25.95,
+                      "baseline": 1.20, "unit": "s", "baseline_name": "plain dir",
+                      "target": "<= 3x", "ok": False, "ratio": 25.95 / 1.20},
+                     {"figure": "lookup p50, cold dentries", "kvfs": 85, "baseline": 10,
+                      "unit": "us", "baseline_name": "stat", "target": "", "ok": None,
+                      "ratio": 8.5}],
+            "conditions": conditions(tmp_path)}
+
+
+def tiers_record(tmp_path: Path) -> dict:
+    return {"benchmark": "tiers", "command": "python tools/bench_tiers.py --quick",
+            "params": {"repeats": 2, "blocks": 8},
+            "restore": {"blocks": 8, "block_mib": 1,
+                        "hot": {"gbps": 1.11, "baseline_gbps": 3.62},
+                        "cold": {"gbps": 0.39, "baseline_gbps": 3.42, "copy_gbps": 1.48},
+                        "s3": {"gbps": 0.16, "baseline_gbps": 0.35, "copy_gbps": 0.26}},
+            "delays": [{"delay_ms": d, "latency_ms": {"p50": 63 + d, "p99": 164 + d},
+                        "baseline_ms": {"p50": 50 + d, "p99": 136 + d}} for d in (0, 50, 200)],
+            "rows": [{"figure": "restore from hot", "value": "1.11 GB/s",
+                      "baseline": "3.62 GB/s (preadv of the hot files)", "ratio": 0.34,
+                      "note": "8 x 1 MiB, 1 request"},
+                     {"figure": "store down: later requests p50", "value": "5.0 ms",
+                      "baseline": "78 ms (first)", "ratio": 0.064, "note": ""}],
+            "problems": ["large restore: 34 fetched block files are not in the index"],
+            "conditions": conditions(tmp_path)}
+
+
+def unknown_record(tmp_path: Path) -> dict:
+    return {"benchmark": "novel", "rows": [{"what": "x", "ms": 1.5}, {"what": "y"}],
+            "conditions": conditions(tmp_path)}
+
+
+KINDS = {"hitrate": hitrate_record, "crossover": crossover_record, "restore": restore_record,
+         "degraded": degraded_record, "mount": mount_record, "tiers": tiers_record,
+         "novel": unknown_record,
+         "hitrate-concurrency": lambda p: hitrate_record(p, concurrency=True)}
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_SIGNATURE, f"{path} is not a PNG"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+@pytest.mark.parametrize("name", sorted(KINDS))
+def test_draw_writes_a_png_for_each_kind(tmp_path, name):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / f"{name}.png"
+    assert plot.draw(KINDS[name](tmp_path), str(png)) is True
+    width, height = png_size(png)
+    assert width > 300 and height > 200
+    assert png.stat().st_size > 10_000  # axes, lines, labels: not an empty canvas
+    assert [p.name for p in tmp_path.iterdir()] == [png.name]  # no temporary left behind
+
+
+@pytest.mark.parametrize("name", ["hitrate", "crossover", "restore", "degraded", "tiers"])
+def test_draw_takes_rows_with_missing_fields(tmp_path, name):
+    pytest.importorskip("matplotlib")
+    record = KINDS[name](tmp_path)
+    for i, row in enumerate(record.get("rows") or record.get("sizes", [{}])[0]["results"]):
+        for key in list(row)[i % 3::3]:  # a different third of the fields from each row
+            del row[key]
+    png = tmp_path / "partial.png"
+    assert plot.draw(record, str(png)) is True
+    png_size(png)
+
+
+def test_draw_without_matplotlib_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    png = tmp_path / "x.png"
+    assert plot.draw(crossover_record(tmp_path), str(png)) is False
+    assert not png.exists()
+
+
+def write_records(directory: Path, names: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        record = KINDS[name](directory)
+        with_plot = plot.draw(record, str(directory / f"{name}.png"))
+        record["plot"] = f"{name}.png" if with_plot else None
+        (directory / f"{name}.json").write_text(json.dumps(record))
+
+
+def test_report_renders_each_section_table_and_image(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = tmp_path / "docs" / "bench"
+    write_records(records, ["hitrate", "crossover", "restore", "mount", "tiers", "novel"])
+    (records / "mount.notes.md").write_text("**Why, as measured**: the per-request cost.\n")
+    out = tmp_path / "docs" / "benchmarks.md"
+    res = kvfs("bench", "report", "--records", str(records), "--output", str(out))
+    assert "6 records" in res.stdout and "not yet measured: degraded" in res.stdout
+    text = out.read_text()
+    for title in ("## Crossover", "## Restore", "## Hit rate", "## Degraded tiers", "## Tiers",
+                  "## Mount", "## Novel", "## GPU restore"):
+        assert title in text
+    for name in ("hitrate", "crossover", "restore", "mount", "tiers", "novel"):
+        assert f"](bench/{name}.png)" in text  # relative to the document
+    # the head: how to reproduce each, from the record's own command
+    assert "`kvfs bench hitrate --trace mooncake_synthetic_trace.jsonl --policy lru`" in text
+    assert "`python tools/bench_mount.py --json mount.json`" in text
+    # tables, with ratios against the baseline of the same run
+    assert "| 10 % (4,392 blocks) | kvfs | 27.11 |" in text
+    assert "| 25 % (10,981 blocks) | lru | 44.18 |" in text
+    assert "4.5 %" in text  # kvfs closes (27.11 - 26.00) / (50.63 - 26.00) of LRU's gap
+    assert "| 128 | 31.0 | 10.4 | 2.98x | yes |" in text
+    assert "Restoring beats recomputing from **128 tokens** on." in text
+    assert "| 4 MiB | warm | 4 | " in text and "(0.67x)" in text
+    assert "5.960 ms of overhead" in text and "**missed**: control overhead" in text
+    assert "| ls -l (again), 100000 files in one dir | 25.95 s | 1.20 s (plain dir) | 21.62x" \
+        in text
+    assert "**Targets missed**: ls -l (again)" in text
+    assert "**Why, as measured**: the per-request cost." in text  # the sidecar notes
+    assert "| store down: later requests p50 | 5.0 ms | 78 ms (first) | 0.064x |" in text
+    assert "- large restore: 34 fetched block files" in text
+    assert "| what | ms |" in text  # an unknown kind: its rows as they are
+    # the conditions beside the figures: cores, memory, kernel, filesystem, versions, load
+    cond = common.conditions([str(tmp_path)])
+    assert f"{cond['cores']} cores ({cond['cpu']})" in text
+    assert f"Linux {cond['kernel']}" in text and f"Python {cond['versions']['python']}" in text
+    assert "load average" in text and "Parameters: repeats 5" in text
+    assert str(tmp_path) not in text  # no path of the machine that ran it
+    # what is missing says so, with the command to run
+    degraded = text.split("## Degraded tiers")[1].split("\n## ")[0]
+    assert "kvfs bench degraded --out docs/bench" in degraded
+    assert "Not yet measured on this machine" in degraded
+    gpu = text.split("## GPU restore")[1]
+    assert "Needs a GPU" in gpu
+
+
+def test_report_renders_concurrency_and_degraded(tmp_path):
+    records = tmp_path / "records"
+    records.mkdir()
+    for name in ("hitrate-concurrency", "degraded"):
+        record = KINDS[name](tmp_path)
+        (records / f"{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "b.md"
+    count, missing = report.report(str(records), str(out))
+    assert count == 2 and "degraded" not in missing and "hitrate" not in missing
+    text = out.read_text()
+    assert "| capacity | sessions | policy |" in text
+    assert "| 10 % (4,392 blocks) | 32 | kvfs | 24.01 |" in text
+    assert ("| dead-silent | 50 | 5.0 | - | 1009.0 | - | 1.25x | 126.12x | 4.04x | 0 / 3200 "
+            "| 3 of 50 (4) |") in text
+    assert ("| miss | 50 | 4.0 | 5.0 | 8.0 | 9.0 | baseline | baseline | 0.032x | 0 / 3200 | - |"
+            in text)
+    assert "Recomputing the same context instead: 250.0 ms" in text
+    assert "Skipped: s3: SeaweedFS's weed binary is not installed" in text
+    assert "recompute_ms" not in text.split("## Degraded")[1].split("Parameters:")[1]
+    assert "matplotlib was not installed" in text  # no PNG beside these records
+
+
+@pytest.mark.parametrize("bad, why", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "not a benchmark record"),
+    ('{"rows": []}', 'no "benchmark" field'),
+    ('{"benchmark": "hitrate", "rows": {"a": 1}}', '"rows" must be a list'),
+    ('{"benchmark": "hitrate", "rows": [{"policy": "lru", "block_hit": "high"}]}',
+     "row 0: \"block_hit\" is 'high', not a number"),
+    ('{"benchmark": "restore", "sizes": [{"results": [3]}]}', "row 0 is not an object"),
+])
+def test_a_malformed_record_is_named_and_changes_nothing(tmp_path, bad, why):
+    records = tmp_path / "bench"
+    records.mkdir()
+    (records / "crossover.json").write_text(json.dumps(crossover_record(tmp_path)))
+    (records / "zz-broken.json").write_text(bad)
+    out = tmp_path / "benchmarks.md"
+    out.write_text("the previous document\n")
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    res = kvfs("bench", "report", "--records", str(records), "--output", str(out),
+               "--redraw", check=False)
+    assert res.returncode == 2
+    assert "zz-broken.json" in res.stderr and why in res.stderr
+    assert "Traceback" not in res.stderr
+    assert out.read_text() == "the previous document\n"
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no plot, no temporary
+
+
+def test_a_missing_records_directory_is_a_clear_error(tmp_path):
+    res = kvfs("bench", "report", "--records", str(tmp_path / "nope"), "--output",
+               str(tmp_path / "b.md"), check=False)
+    assert res.returncode == 2 and "no such directory of benchmark records" in res.stderr
+    assert not (tmp_path / "b.md").exists()
+
+
+def test_redraw_draws_each_plot_from_its_record(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = tmp_path / "bench"
+    records.mkdir()
+    (records / "crossover.json").write_text(json.dumps(crossover_record(tmp_path)))
+    out = tmp_path / "benchmarks.md"
+    report.report(str(records), str(out), redraw=True)
+    png_size(records / "crossover.png")
+    assert "](bench/crossover.png)" in out.read_text()
+
+
+def test_finish_records_the_command_and_draws_the_plot(tmp_path, capsys):
+    record = crossover_record(tmp_path)
+    assert common.finish(record, Namespace(out=str(tmp_path), json=None), "the table") == 0
+    saved = json.loads((tmp_path / "crossover.json").read_text())
+    assert saved["command"] == sys.argv
+    assert "the table" in capsys.readouterr().out
+    if saved["plot"]:
+        png_size(tmp_path / saved["plot"])
+
+
+def test_command_lines_read_as_typed():
+    assert report.command_line(["/opt/env/bin/kvfs", "bench", "crossover", "--lengths", "16"]) \
+        == "kvfs bench crossover --lengths 16"
+    assert report.command_line(["/src/kvfs/cli.py", "bench", "hitrate", "--trace", "a b"]) \
+        == "kvfs bench hitrate --trace 'a b'"
+    assert report.command_line(["/src/repo/tools/bench_tiers.py", "--quick"]) \
+        == "python tools/bench_tiers.py --quick"
+    assert report.command_line("python tools/bench_restore.py ") \
+        == "python tools/bench_restore.py"
+    assert report.command_line(None) is None
