@@ -312,4 +312,9 @@ def test_command_lines_read_as_typed():
         == "python tools/bench_tiers.py --quick"
     assert report.command_line("python tools/bench_restore.py ") \
         == "python tools/bench_restore.py"
+    assert report.command_line(["kvfs", "bench", "restore", "--dir", "/srv/nvme0/kv",
+                                "--json=/home/me/r.json"]) \
+        == "kvfs bench restore --dir .../kv --json=.../r.json"
+    assert report.command_line("python tools/bench_tiers.py --out /home/me/x --quick") \
+        == "python tools/bench_tiers.py --out .../x --quick"
     assert report.command_line(None) is None

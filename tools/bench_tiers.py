@@ -52,7 +52,8 @@ Usage (as root, for FUSE and tenants owned by any uid):
 
     python tools/bench_tiers.py                  # the default run (~3 GiB through S3)
     python tools/bench_tiers.py --quick          # a smoke run
-    python tools/bench_tiers.py --json out.json  # every figure, and the conditions
+    python tools/bench_tiers.py --out docs/bench # tiers.json (every figure, the conditions)
+                                                 # and tiers.png there: `kvfs bench report`
 """
 
 from __future__ import annotations
@@ -86,7 +87,13 @@ if os.path.isdir(os.path.join(REPO, "kvfs")):
 import torch  # noqa: E402
 
 import kvfs  # noqa: E402
-from kvfs.bench.common import cpu_model, filesystem_of, memory_gib  # noqa: E402
+from kvfs.bench.common import (  # noqa: E402
+    add_output_args,
+    cpu_model,
+    filesystem_of,
+    finish,
+    memory_gib,
+)
 from kvfs.bench.common import read_text as _read  # noqa: E402
 from kvfs.client import KVCache  # noqa: E402
 from kvfs.hashing import ModelSpec, block_relpath  # noqa: E402
@@ -909,8 +916,9 @@ def _f(x: float | None, fmt: str = ".2f", unit: str = "") -> str:
     return "-" if x is None else f"{x:{fmt}}{unit}"
 
 
-def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
-    rows: list[tuple[str, str, str, str, str]] = []
+def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, str]]:
+    """(figure, value, baseline, ratio value / baseline or None, conditions) per line."""
+    rows: list[tuple[str, str, str, float | None, str]] = []
     rs = res.get("restore")
     if rs:
         what = f"{rs['blocks']} x {rs['block_mib']} MiB, 1 request"
@@ -922,36 +930,36 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             label, base = names[tier]
             rows.append((f"restore from {label}", _f(r["gbps"], unit=" GB/s"),
                          f"{_f(r['baseline_gbps'], unit=' GB/s')} ({base})",
-                         _f(r["ratio"], unit="x"), what))
+                         r["ratio"], what))
             rows.append((f"  per-request latency, {label}", _f(r["latency_ms"], ".1f", " ms"),
                          _f(r["baseline_ms"], ".1f", " ms"),
-                         _f(None if not r["baseline_ms"] or not r["latency_ms"] else
-                            r["latency_ms"] / r["baseline_ms"], unit="x"),
+                         (None if not r["baseline_ms"] or not r["latency_ms"] else
+                          r["latency_ms"] / r["baseline_ms"]),
                          f"median of {len(r['rounds']) - r['short_rounds']} of "
                          f"{res['params']['repeats']} rounds"))
             if tier != "hot":
                 src = "GET" if tier == "s3" else "sendfile"
                 rows.append((f"  restore from {label} vs copy", _f(r["gbps"], unit=" GB/s"),
                              f"{_f(r['copy_gbps'], unit=' GB/s')} ({src} to a hot file, "
-                             f"read back)", _f(r["copy_ratio"], unit="x"),
+                             f"read back)", r["copy_ratio"],
                              f"{TIER_THREADS} threads, no verification"))
                 rows.append((f"  waiting on storage, {label}",
                              _f(100 * r["storage_share"] if r["storage_share"] is not None
                                 else None, ".0f", " %"),
-                             "-", "-", "lookup (fetch) / request"))
+                             "-", None, "lookup (fetch) / request"))
     lg = res.get("large")
     if lg:
         d = lg["daemon"]
         rows.append(("large restore from S3: blocks found", f"{lg['found']}/{lg['blocks']}",
                      f"{lg['blocks']}/{lg['blocks']} (boto3 GETs, "
                      f"{_f(lg['baseline_s'], '.2f', ' s')})",
-                     _f(lg["found"] / lg["blocks"], unit="x"),
+                     lg["found"] / lg["blocks"],
                      f"{lg['blocks']} x {rs['block_mib'] if rs else '?'} MiB, daemon's "
                      f"deadline; {lg['seconds']:.2f} s"))
         rows.append(("  fetches timed out / skipped", f"{d['timeouts']} / {d['skipped']}", "0",
-                     "-", f"circuit {d['circuit']} after; next request found "
+                     None, f"circuit {d['circuit']} after; next request found "
                      f"{lg['second_request']['found']}"))
-        rows.append(("  block files left unindexed in hot", str(lg["unindexed"]), "0", "-",
+        rows.append(("  block files left unindexed in hot", str(lg["unindexed"]), "0", None,
                      f"{lg['on_disk']} files on disk, {d['hits']} fetches counted"))
     for st in res.get("delays", []):
         lat, base = st["latency_ms"], st["baseline_ms"]
@@ -961,10 +969,10 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             ratio = None if not base[q] or lat[q] is None else lat[q] / base[q]
             rows.append((f"fresh-miss request {q}, +{st['delay_ms']:g} ms",
                          _f(lat[q], ".1f", " ms"), f"{_f(base[q], '.1f', ' ms')} (boto3 GETs)",
-                         _f(ratio, unit="x"), what if q == "p50" else ""))
+                         ratio, what if q == "p50" else ""))
         rows.append((f"  waiting on storage, +{st['delay_ms']:g} ms",
                      _f(100 * st["storage_share"] if st["storage_share"] is not None else None,
-                        ".0f", " %"), f"hot hit {_f(st['hot_hit_ms'], '.1f', ' ms')}", "-",
+                        ".0f", " %"), f"hot hit {_f(st['hot_hit_ms'], '.1f', ' ms')}", None,
                      f"daemon fetch p50 {st['daemon_fetch_p50']}"))
     p = res.get("params", {})
     for o in res.get("outages", []):
@@ -972,32 +980,47 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         dl = p.get("fetch_timeout")
         rows.append((f"{kind}: first request", _f(o["first_ms"], ".0f", " ms"),
                      f"{_f(dl * 1e3 if dl else None, '.0f', ' ms')} (fetch deadline)",
-                     _f(o["first_ms"] / (dl * 1e3) if o["first_ms"] and dl else None, unit="x"),
+                     (o["first_ms"] / (dl * 1e3) if o["first_ms"] and dl else None),
                      "a miss" if o["first_ms"] is not None else ""))
         rows.append((f"{kind}: later requests p50", _f(o["rest_p50_ms"], ".1f", " ms"),
                      f"{_f(o['first_ms'], '.0f', ' ms')} (first)",
-                     _f(o["rest_p50_ms"] / o["first_ms"] if o["rest_p50_ms"] and o["first_ms"]
-                        else None, ".3f", "x"),
+                     (o["rest_p50_ms"] / o["first_ms"] if o["rest_p50_ms"] and o["first_ms"]
+                      else None),
                      f"{len(o['during'])} requests in {p.get('outage')} s, "
                      f"{o['slow_requests']} slow (probes)"))
         rows.append((f"{kind}: max request", _f(o["max_ms"], ".0f", " ms"),
                      f"{_f(dl * 1e3 if dl else None, '.0f', ' ms')} (fetch deadline)",
-                     _f(o["max_ms"] / (dl * 1e3) if o["max_ms"] and dl else None, unit="x"),
+                     (o["max_ms"] / (dl * 1e3) if o["max_ms"] and dl else None),
                      "within deadline" if o["within_deadline"] else "PAST THE DEADLINE"))
         bound = (p["tier_cooldown"] + dl) if dl and p.get("tier_cooldown") else None
         rows.append((f"{kind}: first full hit after return",
                      _f(o["first_hit_after_s"], ".2f", " s"),
                      f"{_f(bound, '.1f', ' s')} (cooldown + deadline, the bound)",
-                     _f(o["first_hit_after_s"] / bound
-                        if o["first_hit_after_s"] is not None and bound else None, unit="x"),
+                     (o["first_hit_after_s"] / bound
+                      if o["first_hit_after_s"] is not None and bound else None),
                      f"{o['requests_to_first_hit']} requests; store restart "
                      f"{o['store_restart_s']:.1f} s" if o["first_hit_after_s"] is not None
                      else "HITS DID NOT RETURN"))
     return rows
 
 
+def _ratio(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" if x >= 0.1 or x == 0 else f"{x:.3f}x" if x >= 0.01 else f"{x:.2g}x"
+
+
+def record_rows(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's figure rows (kind "tiers"), as `kvfs bench report` renders them."""
+    return [{"figure": f, "value": v, "baseline": b,
+             "ratio": None if r is None else round(r, 4), "note": n}
+            for f, v, b, r, n in table_rows(res)]
+
+
 def report(res: dict[str, Any]) -> str:
-    rows = [("figure", "value", "baseline", "ratio", "conditions"), *table_rows(res)]
+    rows = [("figure", "value", "baseline", "ratio", "conditions"),
+            *((r["figure"], r["value"], r["baseline"], _ratio(r["ratio"]), r["note"])
+              for r in res.get("rows") or record_rows(res))]
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
              for r in rows]
@@ -1043,7 +1066,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="full hits to see after the store returns (5)")
     p.add_argument("--no-outage", action="store_true", help="skip the outages")
     p.add_argument("--quick", action="store_true", help="a smoke run: small, short")
-    p.add_argument("--json", metavar="OUT", help="write every figure and the conditions here")
+    add_output_args(p)  # --out DIR (tiers.json and tiers.png there) or --json FILE
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p
 
@@ -1079,9 +1102,9 @@ def main(argv: list[str] | None = None) -> int:
     cold_root = os.path.join(work, "cold-tier")
     command = "python tools/bench_tiers.py " + " ".join(argv if argv is not None
                                                         else sys.argv[1:])
-    res: dict[str, Any] = {"command": command.strip(),
+    res: dict[str, Any] = {"benchmark": "tiers", "command": command.strip(),
                            "params": {k: v for k, v in vars(args).items()
-                                      if k not in ("json", "keep", "dir")},
+                                      if k not in ("json", "out", "keep", "dir")},
                            "problems": []}
     server = S3Server(Path(work) / "s3")
     proxy: SlowProxy | None = None
@@ -1235,12 +1258,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     res.setdefault("conditions", {})["other_busy_cpus_after"] = busy_cpus()
     res["conditions"]["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
+    res["rows"] = record_rows(res)
     print()
-    print(report(res))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-        log(f"wrote {args.json}")
+    finish(res, args, report(res))  # the table, tiers.json and tiers.png: `kvfs bench report`
     return 1 if res["problems"] else 0
 
 

@@ -211,10 +211,25 @@ def md_table(head: list[str], rows: list[list[str]]) -> list[str]:
             + ["| " + " | ".join(cell(c) for c in r) + " |" for r in rows])
 
 
+def _arg(a: str) -> str:
+    """An argument as the page shows it: an absolute path keeps only its last part, so that no
+    machine's directories end up in the document (`--dir /srv/nvme0/kv` -> `--dir .../kv`)."""
+    opt, eq, value = a.partition("=")
+    if eq and value.startswith("/"):
+        return f"{opt}=.../{os.path.basename(value.rstrip('/'))}"
+    return f".../{os.path.basename(a.rstrip('/'))}" if a.startswith("/") and len(a) > 1 else a
+
+
 def command_line(cmd: Any) -> str | None:
     """A record's command as a reader would type it: `kvfs bench ...`, `python tools/X.py`."""
     if isinstance(cmd, str):
-        return cmd.strip() or None
+        try:
+            words = shlex.split(cmd)
+        except ValueError:
+            return cmd.strip() or None
+        if words[:1] == ["python"] and len(words) > 1:
+            return " ".join(["python", words[1], *(shlex.quote(_arg(w)) for w in words[2:])])
+        return " ".join(shlex.quote(_arg(w)) for w in words) or None
     if not isinstance(cmd, list) or not cmd:
         return None
     argv = [str(a) for a in cmd]
@@ -226,7 +241,7 @@ def command_line(cmd: Any) -> str | None:
         prefix = f"python {'tools/' if '/tools/' in f'/{head}' else ''}{name}"
     else:
         prefix = shlex.quote(name)
-    return " ".join([prefix, *(shlex.quote(a) for a in argv[1:])])
+    return " ".join([prefix, *(shlex.quote(_arg(a)) for a in argv[1:])])
 
 
 # -- the kinds -----------------------------------------------------------------------------------
@@ -565,7 +580,8 @@ Llama-3-8B's (128 KiB per token).
   accepts connections and never answers), then while the S3 server is stopped (connections
   refused), and on after the store answers again until a few requests have hit fully. No
   request may wait past the fetch deadline; the circuit breaker makes the following ones cheap;
-  hits must come back within the cooldown plus a deadline.""", _figure_table, ("ratio",)),
+  hits must come back within the cooldown plus a deadline.""", _figure_table, ("ratio",),
+         shown=("store_start_s",)),
     Kind("mount", "Mount", "python tools/bench_mount.py --json docs/bench/mount.json", """\
 `tools/bench_mount.py` mounts kvfs itself over a fresh directory of the filesystem being
 measured, and measures:
