@@ -50,27 +50,39 @@ def crossover_record(tmp_path: Path) -> dict:
             "rows": rows, "crossover_tokens": 128, "conditions": conditions(tmp_path)}
 
 
-def restore_record(tmp_path: Path) -> dict:
-    sizes = []
+def restore_record(tmp_path: Path, nested: bool = False) -> dict:
+    """The shape `kvfs bench restore` writes (flat rows with `path`); `nested`: the older one
+    of tools/bench_restore.py (rows under sizes[].results, with `method`)."""
+    rows = []
     for mib in (1, 4, 16):
-        results = []
         for threads in (1, 4):
             for cache in ("cold", "warm"):
-                for k, method in enumerate(("raw", "direct", "mount", "torch.load")):
+                for k, path in enumerate(("raw", "direct", "mount", "torch.load")):
                     gbps = (3.0 if cache == "warm" else 0.8) * mib ** 0.2 / (1 + k / 2)
-                    results.append({"block_mib": mib, "threads": threads, "cache": cache,
-                                    "method": method, "gbps": gbps, "x_raw": 1 / (1 + k / 2),
-                                    "amplification": 1.0 if method != "raw" else None})
-        sizes.append({"block_mib": mib, "results": results})
-    return {"benchmark": "restore", "sizes": sizes, "params": {"repeats": 5},
-            "control": {"blocks": 64, "payload_bytes": 8, "requests": 300, "request_ms": 6.3,
-                        "request_p90_ms": 9.0, "raw_preadv_ms": 0.35, "overhead_ms": 5.96,
-                        "control_calls_per_request": 2, "lookup_ms": 1.4, "load_ms": 4.9,
-                        "setxattr_ms": 0.15, "setxattr_64_ms": 0.38},
-            "verdicts": [{"target": "control overhead < 1 ms per 64-block request",
-                          "met": False, "measured": 5.96}],
-            "command": "python tools/bench_restore.py --quick",
-            "conditions": conditions(tmp_path)}
+                    rows.append({"path": path, "block_mib": mib, "threads": threads,
+                                 "cache": cache, "gbps": gbps, "x_raw": 1 / (1 + k / 2),
+                                 "p50_ms": 10.0 * mib * (1 + k / 2), "p99_ms": 30.0 * mib,
+                                 "amplification": 1.0 if path != "raw" else None})
+    record = {"benchmark": "restore", "rows": rows, "params": {"repeats": 5, "request_mib": 64},
+              "control": {"blocks": 64, "payload_bytes": 8, "requests": 300,
+                          "request_ms": 6.3, "request_p90_ms": 9.0, "request_p99_ms": 12.5,
+                          "raw_preadv_ms": 0.35, "overhead_ms": 5.96, "client_cpu_ms": 2.1,
+                          "control_calls_per_request": 2, "lookup_ms": 1.4, "load_ms": 4.9,
+                          "setxattr_ms": 0.15, "setxattr_64_ms": 0.38},
+              "verdicts": [{"target": "control overhead < 1 ms per 64-block request",
+                            "met": False, "measured": 5.96}],
+              "command": ["kvfs", "bench", "restore", "--quick", "--dir", "DIR"],
+              "conditions": conditions(tmp_path)}
+    if nested:
+        for r in rows:
+            r["method"] = r.pop("path")
+            del r["p50_ms"], r["p99_ms"]
+        record["sizes"] = [{"block_mib": mib, "results": [r for r in rows
+                                                           if r["block_mib"] == mib]}
+                           for mib in (1, 4, 16)]
+        del record["rows"]
+        record["command"] = "python tools/bench_restore.py --quick"
+    return record
 
 
 def degraded_record(tmp_path: Path) -> dict:
@@ -132,6 +144,7 @@ def unknown_record(tmp_path: Path) -> dict:
 KINDS = {"hitrate": hitrate_record, "crossover": crossover_record, "restore": restore_record,
          "degraded": degraded_record, "mount": mount_record, "tiers": tiers_record,
          "novel": unknown_record,
+         "restore-nested": lambda p: restore_record(p, nested=True),
          "hitrate-concurrency": lambda p: hitrate_record(p, concurrency=True)}
 
 
@@ -153,11 +166,12 @@ def test_draw_writes_a_png_for_each_kind(tmp_path, name):
     assert [p.name for p in tmp_path.iterdir()] == [png.name]  # no temporary left behind
 
 
-@pytest.mark.parametrize("name", ["hitrate", "crossover", "restore", "degraded", "tiers"])
+@pytest.mark.parametrize("name", ["hitrate", "crossover", "restore", "restore-nested",
+                                  "degraded", "tiers"])
 def test_draw_takes_rows_with_missing_fields(tmp_path, name):
     pytest.importorskip("matplotlib")
     record = KINDS[name](tmp_path)
-    for i, row in enumerate(record.get("rows") or record.get("sizes", [{}])[0]["results"]):
+    for i, row in enumerate(record.get("rows") or record["sizes"][0]["results"]):
         for key in list(row)[i % 3::3]:  # a different third of the fields from each row
             del row[key]
     png = tmp_path / "partial.png"
@@ -198,6 +212,7 @@ def test_report_renders_each_section_table_and_image(tmp_path):
     # the head: how to reproduce each, from the record's own command
     assert "`kvfs bench hitrate --trace mooncake_synthetic_trace.jsonl --policy lru`" in text
     assert "`python tools/bench_mount.py --json mount.json`" in text
+    assert "`kvfs bench restore --quick --dir DIR`" in text
     # tables, with ratios against the baseline of the same run
     assert "| 10 % (4,392 blocks) | kvfs | 27.11 |" in text
     assert "| 25 % (10,981 blocks) | lru | 44.18 |" in text
@@ -206,6 +221,9 @@ def test_report_renders_each_section_table_and_image(tmp_path):
     assert "Restoring beats recomputing from **128 tokens** on." in text
     assert "| 4 MiB | warm | 4 | " in text and "(0.67x)" in text
     assert "5.960 ms of overhead" in text and "**missed**: control overhead" in text
+    assert "(p90 9.000 ms, p99 12.500 ms) against 0.350 ms" in text
+    assert "Latency per request of 64 MiB, p50 / p99 (ms):" in text
+    assert "| 16 MiB | cold | 1 | 160.0 / 480.0 | 240.0 / 480.0 |" in text
     assert "| ls -l (again), 100000 files in one dir | 25.95 s | 1.20 s (plain dir) | 21.62x" \
         in text
     assert "**Targets missed**: ls -l (again)" in text

@@ -156,32 +156,45 @@ def _crossover(record: dict[str, Any], plt: Any) -> Any:
 
 
 def _restore(record: dict[str, Any], plt: Any) -> Any:
-    rows = [r for r in rows_of(record) if number(r.get("block_mib")) and number(r.get("gbps"))]
+    """GB/s against block size, a line per path and page-cache state, a panel per thread count;
+    below, the per-request latency (p50) where the rows carry it."""
+    rows = [r for r in rows_of(record) if number(r.get("block_mib"))]
     threads = sorted({number(r.get("threads")) for r in rows} - {None}) or [None]
-    fig, axes = plt.subplots(1, len(threads), figsize=(4 * len(threads) + 1, 4.5),
-                             squeeze=False, sharey=True, layout="constrained")
+    panels = [("gbps", "GB/s of KV delivered", "linear")]
+    if any(number(r.get("p50_ms")) for r in rows):
+        panels.append(("p50_ms", "request latency p50 (ms)", "log"))
+    fig, axes = plt.subplots(len(panels), len(threads), figsize=(
+        4 * len(threads) + 1, 4 * len(panels) + 0.5), squeeze=False, sharey="row",
+        sharex=True, layout="constrained")
     methods = list(dict.fromkeys(str(r.get("method", r.get("path", "?"))) for r in rows))
-    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    colors = {m: f"C{i % 10}" for i, m in enumerate(methods)}
     caches = list(dict.fromkeys(str(r.get("cache", "")) for r in rows))
-    for ax, t in zip(axes[0], threads, strict=True):
-        for m in methods:
-            for c in caches:
-                pts = sorted((number(r["block_mib"]), number(r["gbps"])) for r in rows
-                             if str(r.get("method", r.get("path", "?"))) == m
-                             and str(r.get("cache", "")) == c and number(r.get("threads")) == t)
-                if pts:
-                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
-                            color=colors[m], linestyle="--" if c == "warm" else "-",
-                            label=f"{m}{', ' + c if c else ''}")
-        ax.set_xscale("log", base=2)
-        data_ticks(ax, [number(r.get("block_mib")) for r in rows])
-        ax.set_xlabel("block size (MiB)")
-        ax.set_title(f"{t:g} thread{'s' if t != 1 else ''}" if t else "", fontsize=9)
-        ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].set_ylabel("GB/s of KV delivered")
+    for row_axes, (key, label, yscale) in zip(axes, panels, strict=True):
+        for ax, t in zip(row_axes, threads, strict=True):
+            for m in methods:
+                for c in caches:
+                    pts = sorted(p for p in ((number(r["block_mib"]), number(r.get(key)))
+                                             for r in rows
+                                             if str(r.get("method", r.get("path", "?"))) == m
+                                             and str(r.get("cache", "")) == c
+                                             and number(r.get("threads")) == t)
+                                 if p[1] is not None and p[1] > 0)
+                    if pts:
+                        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                                color=colors[m], linestyle="--" if c == "warm" else "-",
+                                label=f"{m}{', ' + c if c else ''}")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale(yscale)
+            data_ticks(ax, [number(r.get("block_mib")) for r in rows])
+            ax.grid(True, which="both", alpha=0.3)
+            if key == panels[0][0]:
+                ax.set_title(f"{t:g} thread{'s' if t != 1 else ''}" if t else "", fontsize=9)
+            if key == panels[-1][0]:
+                ax.set_xlabel("block size (MiB)")
+        row_axes[0].set_ylabel(label)
     axes[0][-1].legend(fontsize=7, loc="best")
-    fig.suptitle(title(record, "kvfs bench restore: throughput per path (solid cold, dashed "
-                               "warm page cache)"), fontsize=9)
+    fig.suptitle(title(record, "kvfs bench restore: each path against raw preadv (solid cold, "
+                               "dashed warm page cache)"), fontsize=9)
     return fig
 
 

@@ -57,7 +57,8 @@ VERSION_KEYS = ("python", "torch", "kvikio", "pyfuse3", "trio", "boto3", "botoco
 VERSION_NAMES = {"python": "Python", "weed": "SeaweedFS"}
 #: Condition keys rendered by name in conditions_text (the rest are listed as they are).
 KNOWN_CONDITIONS = {"cpu", "cores", "cores_usable", "memory_gib", "gpu", "kernel", "time",
-                    "load_average", "loadavg_before", "loadavg_after", "other_busy_cpus_before",
+                    "load_average", "loadavg_before", "loadavg_after", "load_average_after",
+                    "other_busy_cpus_before",
                     "other_busy_cpus_after", "other_load_before_cpus", "filesystems",
                     "filesystem", "versions", "kvfs_commit", "kvfs_local_changes",
                     *VERSION_KEYS}
@@ -164,7 +165,7 @@ def conditions_text(c: Any) -> str:
     busy = c.get("other_busy_cpus_before", c.get("other_load_before_cpus"))
     if number(busy) is not None:
         load.append(f"other processes kept {busy:g} of the CPUs busy before it")
-    after = _load(c.get("loadavg_after"))
+    after = _load(c.get("loadavg_after", c.get("load_average_after")))
     if after:
         load.append(f"load average {after} after it")
     if number(c.get("other_busy_cpus_after")) is not None:
@@ -328,6 +329,21 @@ def _restore_table(record: dict[str, Any]) -> list[str]:
         lines += ["GB/s of KV delivered (x raw `preadv` of the same files, same threads, same "
                   "run):", ""]
         lines += md_table(["block", "page cache", "threads", *methods], out)
+    if any(number(r.get("p50_ms")) is not None for r in rows):
+        lat = []
+        for k in keys:
+            cells = []
+            for m in methods:
+                r = by.get((*k, m))
+                cells.append("-" if r is None or number(r.get("p50_ms")) is None else
+                             f"{_num(r.get('p50_ms'), '.1f')} / {_num(r.get('p99_ms'), '.1f')}")
+            lat.append([f"{k[0]:g} MiB" if k[0] else "-", k[1] or "-",
+                        f"{k[2]:g}" if k[2] else "-", *cells])
+        per = (f" of {record['params']['request_mib']} MiB"
+               if isinstance(record.get("params"), dict)
+               and record["params"].get("request_mib") else "")
+        lines += ["", f"Latency per request{per}, p50 / p99 (ms):", ""]
+        lines += md_table(["block", "page cache", "threads", *methods], lat)
     amps: dict[str, float] = {}
     for r in rows:
         a = number(r.get("amplification"))
@@ -342,7 +358,10 @@ def _restore_table(record: dict[str, Any]) -> list[str]:
         lines += ["", f"Control plane: a {ctl.get('blocks', '?')}-block `lookup` + `load` of "
                   f"{ctl.get('payload_bytes', '?')}-byte blocks (median of "
                   f"{ctl.get('requests', '?')}): {_num(ctl.get('request_ms'), '.3f', ' ms')} "
-                  f"(p90 {_num(ctl.get('request_p90_ms'), '.3f', ' ms')}) against "
+                  f"(p90 {_num(ctl.get('request_p90_ms'), '.3f', ' ms')}"
+                  + (f", p99 {_num(ctl.get('request_p99_ms'), '.3f', ' ms')}"
+                     if ctl.get("request_p99_ms") is not None else "")
+                  + ") against "
                   f"{_num(ctl.get('raw_preadv_ms'), '.3f', ' ms')} of raw `preadv` of the same "
                   f"files: **{_num(ctl.get('overhead_ms'), '.3f', ' ms')} of overhead**; "
                   f"{_num(ctl.get('control_calls_per_request'), 'g')} control calls per request;"
@@ -350,6 +369,8 @@ def _restore_table(record: dict[str, Any]) -> list[str]:
                   f"{_num(ctl.get('load_ms'), '.3f', ' ms')}; one access setxattr "
                   f"{_num(ctl.get('setxattr_ms'), '.3f', ' ms')} empty, "
                   f"{_num(ctl.get('setxattr_64_ms'), '.3f', ' ms')} with the hashes"
+                  + (f"; client CPU {_num(ctl.get('client_cpu_ms'), '.3f', ' ms')} per request"
+                     if ctl.get("client_cpu_ms") is not None else "")
                   + (f"; load average {ctl['loadavg']}" if ctl.get("loadavg") is not None
                      else "") + "."]
         r1 = ctl.get("real_1mib")
