@@ -459,6 +459,30 @@ def cmd_bench_report(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_restore(args: argparse.Namespace) -> int:
+    import shutil  # noqa: PLC0415
+
+    from .bench import restore  # noqa: PLC0415
+
+    try:
+        args.sizes = [int(x) for x in str(args.sizes).split(",") if x]
+        args.threads = [int(x) for x in str(args.threads).split(",") if x]
+    except ValueError:
+        raise CliError("--sizes and --threads take comma-separated integers", EXIT_USAGE) from None
+    if not args.sizes or not args.threads or min(args.sizes + args.threads) < 1:
+        raise CliError("--sizes and --threads take positive integers", EXIT_USAGE)
+    if (args.repeats < 1 or args.control_requests < 0 or args.request_mib < 1
+            or args.total_mib < max(args.sizes)):
+        raise CliError("--repeats and --request-mib must be at least 1, --control-requests "
+                       "not negative, --total-mib at least the largest block size", EXIT_USAGE)
+    if not os.path.isdir(args.dir):
+        raise CliError(f"no directory {args.dir}", EXIT_USAGE)
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        raise CliError("kvfs bench restore mounts kvfs: it needs /dev/fuse and fusermount3",
+                       EXIT_USAGE)
+    return restore.main(args)
+
+
 def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     from .bench import hitrate  # noqa: PLC0415
 
@@ -582,6 +606,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks (ratios and conditions, JSON records)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
+    br = bsub.add_parser("restore", help="restore throughput and latency: direct path, mount, "
+                         "raw preadv, fio, torch.load; control overhead")
+    br.add_argument("--sizes", default="1,4,16,64", help="block sizes in MiB (1,4,16,64)")
+    br.add_argument("--threads", default="1,2,4", help="I/O thread counts (1,2,4)")
+    br.add_argument("--total-mib", type=int, default=512, dest="total_mib",
+                    help="KV per block size, MiB (512)")
+    br.add_argument("--request-mib", type=int, default=64, dest="request_mib",
+                    help="KV restored per request, MiB: the latency unit (64)")
+    br.add_argument("--repeats", type=int, default=3, help="runs per figure; median (3)")
+    br.add_argument("--control-requests", type=int, default=300, dest="control_requests",
+                    help="64-block requests timed for the control overhead (300; 0: none)")
+    br.add_argument("--no-cold", dest="cold", action="store_false",
+                    help="skip the cold page-cache figures (they need root)")
+    br.add_argument("--no-fio", dest="fio", action="store_false", help="skip fio")
+    br.add_argument("--control-only", action="store_true", dest="control_only",
+                    help="only the control-plane figures")
+    br.add_argument("--quick", action="store_true", help="a smoke run: small, one repeat")
+    br.add_argument("--keep", action="store_true", help="keep the work directory")
+    br.add_argument("--dir", default=".", help="where the work directory goes; its "
+                    "filesystem is the one measured (default: here)")
+    from .bench.common import add_output_args as restore_output  # noqa: PLC0415
+
+    restore_output(br)
+    br.set_defaults(func=cmd_bench_restore)
     br = bsub.add_parser("report", help="render docs/benchmarks.md from the JSON records")
     br.add_argument("--records", default=os.path.join("docs", "bench"),
                     help="directory of the records and their plots (default: docs/bench)")
