@@ -492,7 +492,33 @@ def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     for f in args.capacity_fraction:
         if not 0 < f <= 1:
             raise CliError(f"--capacity-fraction {f} is not in (0, 1]", EXIT_USAGE)
-    return hitrate.main(args)
+    if args.set and args.trace not in ("agentic", "mixed"):
+        raise CliError("--set takes options of a generated trace, not of a file", EXIT_USAGE)
+    if args.concurrency:
+        if args.trace != "agentic":
+            raise CliError("--concurrency needs the generated agentic trace (--trace agentic)",
+                           EXIT_USAGE)
+        if args.limit:
+            raise CliError("--limit would cut each interleaving differently: set the number "
+                           "of sessions instead (--set sessions=N)", EXIT_USAGE)
+        if any(n < 1 for n in args.concurrency):
+            raise CliError("--concurrency takes positive numbers of sessions", EXIT_USAGE)
+    if args.limit is not None and args.limit < 1:
+        raise CliError("--limit must be at least 1", EXIT_USAGE)
+    from .trace import generator_options  # noqa: PLC0415
+
+    try:
+        args.options = (generator_options(args.trace, args.set)
+                        if args.trace in ("agentic", "mixed") else {})
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    for name in ("seed", "concurrency"):
+        if name in args.options:
+            raise CliError(f"use --{name}, not --set {name}=...", EXIT_USAGE)
+    try:
+        return hitrate.main(args)
+    except ValueError as exc:  # a trace or capacity the replay cannot use, said before mounting
+        raise CliError(str(exc), EXIT_USAGE) from None
 
 
 def cmd_bench_crossover(args: argparse.Namespace) -> int:
@@ -501,6 +527,60 @@ def cmd_bench_crossover(args: argparse.Namespace) -> int:
     if any(n < 2 for n in args.lengths) or args.repeats < 1:
         raise CliError("lengths must be at least 2 tokens and repeats at least 1", EXIT_USAGE)
     return crossover.main(args)
+
+
+def cmd_bench_degraded(args: argparse.Namespace) -> int:
+    from .bench import degraded  # noqa: PLC0415
+
+    if args.requests < 1 or args.block_size < 1 or args.tokens < args.block_size:
+        raise CliError("requests and block size must be at least 1, and tokens at least one "
+                       "block", EXIT_USAGE)
+    if not (args.fetch_timeout > 0 and args.tier_cooldown >= 0 and args.interval >= 0
+            and args.slow_latency_ms >= 0 and args.slow_mbps >= 0):
+        raise CliError("--fetch-timeout must be positive; cooldown, interval, latency and "
+                       "bandwidth not negative", EXIT_USAGE)
+    if not os.path.isdir(args.dir):
+        raise CliError(f"no directory {args.dir}", EXIT_USAGE)
+    return degraded.main(args)
+
+
+def cmd_bench_trace(args: argparse.Namespace) -> int:
+    from . import trace  # noqa: PLC0415
+    from .bench.common import conditions, finish  # noqa: PLC0415
+
+    if (args.describe is None) == (args.output is None):
+        raise CliError("give --output FILE (write a generated trace) or --describe FILE "
+                       "(measure an existing one)", EXIT_USAGE)
+    if args.block_tokens < 1:
+        raise CliError("--block-tokens must be at least 1", EXIT_USAGE)
+    if args.describe is not None:
+        try:
+            requests = trace.read_trace(args.describe)
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot read the trace: {exc}", EXIT_USAGE) from None
+        params: dict = {"file": os.path.basename(args.describe)}
+    else:
+        items = list(args.set)
+        for name, value in (("sessions", args.sessions), ("requests", args.requests),
+                            ("concurrency", args.concurrency), ("seed", args.seed)):
+            if value is not None:
+                items.append(f"{name}={value}")
+        try:
+            params = trace.generator_options(args.kind, items)
+            requests = trace.GENERATORS[args.kind](**params)
+        except ValueError as exc:
+            raise CliError(str(exc), EXIT_USAGE) from None
+        if not requests:
+            raise CliError("the generator made no requests", EXIT_USAGE)
+        try:
+            trace.write_trace(args.output, requests)
+        except OSError as exc:
+            raise CliError(f"cannot write {args.output}: {exc}", EXIT_USAGE) from None
+        params = {"kind": args.kind, "file": os.path.basename(args.output), **params}
+    figures = trace.describe(requests, block_tokens=args.block_tokens)
+    record = {"benchmark": "trace", "trace": params, "block_tokens": args.block_tokens,
+              **figures, "conditions": conditions([])}
+    return finish(record, args, trace.format_description(figures))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -604,6 +684,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--debug", action="store_true")
     f.set_defaults(func=cmd_fsck)
 
+    from .bench.common import add_output_args  # noqa: PLC0415 - stdlib only
+
     b = sub.add_parser("bench", help="benchmarks (ratios and conditions, JSON records)")
     bsub = b.add_subparsers(dest="bench_command", required=True)
     br = bsub.add_parser("restore", help="restore throughput and latency: direct path, mount, "
@@ -649,8 +731,14 @@ def build_parser() -> argparse.ArgumentParser:
     bh.add_argument("--block-kib", type=int, default=4, help="payload per block (scale)")
     bh.add_argument("--limit", type=int, help="replay only the first N requests")
     bh.add_argument("--seed", type=int, default=0, help="for generated traces")
+    bh.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="an option of the generated trace (see kvfs.trace), e.g. "
+                         "sessions=40; repeatable")
+    bh.add_argument("--concurrency", type=int, action="append",
+                    help="agentic trace: run its sessions N at a time (repeatable: one point "
+                         "per N, the same sessions and capacity at each)")
     bh.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
-    bh.add_argument("--json", help="write the record here")
+    add_output_args(bh)
     bh.set_defaults(func=cmd_bench_hitrate)
 
     bc = bsub.add_parser("crossover", help="time to first token: restore vs recompute")
@@ -659,8 +747,51 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--repeats", type=int, default=3)
     bc.add_argument("--cold", action="store_true", help="drop the page cache before restores")
     bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
-    bc.add_argument("--json", help="write the record here")
+    add_output_args(bc)
     bc.set_defaults(func=cmd_bench_crossover)
+
+    bd = bsub.add_parser("degraded", help="tail latency of loads on misses: no lower tier, "
+                         "a slow one, a dead one")
+    bd.add_argument("--requests", type=int, default=30, help="requests per condition (30)")
+    bd.add_argument("--tokens", type=int, default=2048, help="context length (2048)")
+    bd.add_argument("--block-size", type=int, default=32, dest="block_size",
+                    help="tokens per block (32)")
+    bd.add_argument("--fetch-timeout", type=float, default=1.0, dest="fetch_timeout",
+                    help="the mounts' fetch deadline, seconds (1)")
+    bd.add_argument("--tier-cooldown", type=float, default=2.0, dest="tier_cooldown",
+                    help="the mounts' circuit cooldown, seconds (2)")
+    bd.add_argument("--interval", type=float, default=0.1,
+                    help="pause between requests, seconds (0.1)")
+    bd.add_argument("--slow-latency-ms", type=float, default=50.0, dest="slow_latency_ms",
+                    help="the slow store's delay before each response (50)")
+    bd.add_argument("--slow-mbps", type=float, default=50.0, dest="slow_mbps",
+                    help="the slow store's pace per connection, MB/s (50; 0: unpaced)")
+    bd.add_argument("--condition", action="append", choices=(
+        "miss", "cold-dir", "s3", "s3-slow", "dead-silent", "dead-refused", "hot"),
+        help="run only these (repeatable; default all; 'hot' needs 's3')")
+    bd.add_argument("--seed", type=int, default=0)
+    bd.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
+    add_output_args(bd)
+    bd.set_defaults(func=cmd_bench_degraded)
+
+    bt = bsub.add_parser("trace", help="write a generated agentic or mixed trace (Mooncake "
+                         "format) and measure it: shared prefix, reuse, concurrency, gaps")
+    bt.add_argument("--kind", choices=("agentic", "mixed"), default="agentic")
+    bt.add_argument("--output", help="the JSONL trace file to write")
+    bt.add_argument("--describe", metavar="FILE",
+                    help="measure this Mooncake-format trace instead of generating one")
+    bt.add_argument("--sessions", type=int, help="agentic: sessions (default 300)")
+    bt.add_argument("--concurrency", type=int,
+                    help="agentic: run the sessions N at a time, closed-loop (default: "
+                         "Poisson arrivals)")
+    bt.add_argument("--requests", type=int, help="mixed: requests (default 4000)")
+    bt.add_argument("--seed", type=int)
+    bt.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="any other generator option (see kvfs.trace), e.g. turns=20")
+    bt.add_argument("--block-tokens", type=int, default=512, dest="block_tokens",
+                    help="tokens per block id, for measuring (default 512)")
+    add_output_args(bt)
+    bt.set_defaults(func=cmd_bench_trace)
 
     d = sub.add_parser("demo", help="mount a demo kvfs with real KV blocks in it")
     d.add_argument("dir", nargs="?", default="demo", help="where to put it (default ./demo)")

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.trace import Request, agentic_trace, describe, read_trace
+
 from .conftest import fuse_available, kvfs
 
 TRACE = Path(__file__).parent / "data" / "mooncake_head.jsonl"
@@ -25,7 +27,9 @@ def test_bench_hitrate_matches_the_simulator(tmp_path):
     record = json.loads(out.read_text())
     assert record["benchmark"] == "hitrate" and record["requests"] == 80
     assert record["conditions"]["cores"] and record["conditions"]["versions"]["kvfs"]
+    assert "plot" in record  # finish() wrote the record (and says whether a plot came with it)
     for row in record["rows"]:
+        assert row["concurrency"] is None and row["requests"] == 80
         # The daemon's eviction through a real mount is the policy the simulator models.
         assert row["block_hit"] == row["simulated_block_hit"]
         assert row["block_hit"] <= row["optimum_block_hit"]
@@ -38,9 +42,9 @@ def test_bench_crossover_restores_identical_tokens(tmp_path):
     if why:
         pytest.skip(why)
     pytest.importorskip("torch")
-    out = tmp_path / "crossover.json"
+    out = tmp_path / "records" / "crossover.json"  # --out: the record is named after the bench
     res = kvfs("bench", "crossover", "--lengths", "40", "200", "--repeats", "1",
-               "--dir", str(tmp_path), "--json", str(out))
+               "--dir", str(tmp_path), "--out", str(tmp_path / "records"))
     assert "identical" in res.stdout
     record = json.loads(out.read_text())
     assert record["benchmark"] == "crossover" and record["conditions"]["cores"]
@@ -48,6 +52,137 @@ def test_bench_crossover_restores_identical_tokens(tmp_path):
     for r in record["rows"]:
         assert r["identical"] and r["restored_tokens"] == (r["tokens"] - 1) // 16 * 16
         assert r["recompute_ms"] > 0 and r["restore_ms"] > 0
+
+
+def test_bench_hitrate_against_concurrency(tmp_path):
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    out = tmp_path / "hitrate.json"
+    res = kvfs("bench", "hitrate", "--trace", "agentic", "--set", "sessions=8",
+               "--set", "turns=3", "--seed", "6", "--concurrency", "1", "--concurrency", "8",
+               "--capacity-fraction", "0.6", "--policy", "kvfs", "--dir", str(tmp_path),
+               "--json", str(out))
+    assert "sessions at once" in res.stdout
+    record = json.loads(out.read_text())
+    assert record["concurrency_axis"] == [1, 8]
+    rows = record["rows"]
+    assert [r["concurrency"] for r in rows] == [1, 8]
+    # The same turns and the same capacity at every concurrency; only the interleaving moves.
+    assert len({(r["requests"], r["distinct_blocks"], r["capacity_blocks"]) for r in rows}) == 1
+    assert rows[0]["measured_concurrency"] == 1 and rows[1]["measured_concurrency"] > 1
+    for r in rows:
+        assert r["block_hit"] == r["simulated_block_hit"] <= r["optimum_block_hit"]
+
+
+def test_bench_hitrate_refuses_bad_axes(tmp_path):
+    for args, said in ((["--trace", str(TRACE), "--concurrency", "4"], "agentic"),
+                       (["--trace", "agentic", "--concurrency", "0"], "positive"),
+                       (["--trace", "agentic", "--concurrency", "2", "--limit", "9"], "--limit"),
+                       (["--trace", "agentic", "--set", "nope=1"], "no option"),
+                       (["--trace", str(TRACE), "--set", "sessions=2"], "generated"),
+                       (["--trace", "agentic", "--set", "sessions=3", "--capacity-fraction",
+                         "0.01"], "cannot hold")):
+        res = kvfs("bench", "hitrate", *args, "--dir", str(tmp_path), check=False)
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing mounted, nothing written
+
+
+def test_bench_trace_writes_an_agentic_trace_and_measures_it(tmp_path):
+    trace, out = tmp_path / "agentic.jsonl", tmp_path / "trace.json"
+    res = kvfs("bench", "trace", "--sessions", "12", "--seed", "2", "--output", str(trace),
+               "--json", str(out))
+    assert "shared prefix" in res.stdout
+    written = read_trace(trace)
+    assert written == agentic_trace(sessions=12, seed=2)  # the generator's own trace, read back
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "trace" and record["requests"] == len(written)
+    assert record["trace"]["sessions"] == 12 and record["conditions"]["cores"]
+    # The properties the issue asks of an agentic trace, at this small scale.
+    assert record["shared_prefix_tokens"]["p50"] == 18_000 // 512 * 512
+    assert 85 <= record["reuse_percent"]["p10"] and record["reuse_percent"]["p90"] <= 99
+    assert record["requests_85_to_99_percent"] >= 80
+    assert record["concurrency"]["max"] > 1 and record["long_gaps"] >= 1
+
+    # Closed loop: never more than N sessions at once.
+    res = kvfs("bench", "trace", "--sessions", "12", "--seed", "2", "--concurrency", "3",
+               "--output", str(trace), "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["concurrency"]["max"] == 3 and record["conversations"] >= 12
+
+
+def test_bench_trace_describes_a_file_and_refuses_bad_input(tmp_path):
+    out = tmp_path / "trace.json"
+    kvfs("bench", "trace", "--describe", str(TRACE), "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["requests"] == len(read_trace(TRACE)) and record["trace"]["file"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    for args in (["--describe", str(bad)], ["--kind", "mixed", "--sessions", "3", "--output",
+                                            str(tmp_path / "x.jsonl")],
+                 ["--sessions", "0", "--output", str(tmp_path / "y.jsonl")],
+                 ["--output", str(tmp_path / "z.jsonl"), "--describe", str(TRACE)]):
+        res = kvfs("bench", "trace", *args, "--json", str(tmp_path / "no.json"), check=False)
+        assert res.returncode == 2 and res.stderr.startswith("kvfs: "), res.stderr
+    # Nothing written by a refused command: no record, no trace.
+    assert not {"no.json", "x.jsonl", "y.jsonl", "z.jsonl"} & {p.name for p in tmp_path.iterdir()}
+
+
+def test_describe_measures_branching_reuse_and_gaps():
+    # Two conversations over one 2-block shared prefix (ids 0, 1); the first comes back
+    # after a 400 s pause. Blocks of 10 tokens.
+    trace = [Request(0, 35, 1, [0, 1, 2, 3]),  # a: prefix + 2 blocks (last one partial)
+             Request(1_000, 32, 1, [0, 1, 4, 5]),  # b
+             Request(2_000, 45, 1, [0, 1, 2, 6, 7]),  # a again: 3 of 5 blocks reused
+             Request(402_000, 50, 1, [0, 1, 2, 6, 8])]  # a after 400 s
+    d = describe(trace, block_tokens=10)
+    assert d["shared_prefix_tokens"]["min"] == d["shared_prefix_tokens"]["max"] == 20
+    assert d["conversations"] == 2
+    assert d["reuse_percent"]["min"] == 0 and d["reuse_percent"]["max"] == 80.0  # 40 of 50
+    assert d["long_gaps"] == 1 and d["gaps_s"]["max"] == 400.0
+    assert d["concurrency"]["max"] == 2
+
+
+def test_bench_degraded_dead_tiers_cost_one_deadline(tmp_path):
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    pytest.importorskip("boto3")
+    out, deadline = tmp_path / "degraded.json", 1.5
+    # 40 blocks a request: more fetches at once than the daemon has tier threads (32).
+    res = kvfs("bench", "degraded", "--requests", "4", "--tokens", "640", "--block-size", "16",
+               "--fetch-timeout", str(deadline), "--tier-cooldown", "30", "--interval", "0",
+               "--dir", str(tmp_path), "--json", str(out))
+    assert "p99/recompute" in res.stdout
+    record = json.loads(out.read_text())
+    assert record["benchmark"] == "degraded" and record["conditions"]["cores"]
+    assert record["blocks_per_request"] == 40 and record["recompute_ms"] > 0
+    rows = {r["condition"]: r for r in record["rows"]}
+    from kvfs.bench.degraded import weed_binary
+
+    expected = {"miss", "cold-dir", "dead-silent", "dead-refused"}
+    if weed_binary():
+        expected |= {"s3", "s3-slow", "hot"}
+    else:
+        assert set(record["skipped"]) == {"s3", "s3-slow", "hot"}
+    assert set(rows) == expected
+    for r in rows.values():
+        assert r["count"] == 4 and len(r["latencies_ms"]) == 4 and r["daemon_tracebacks"] == 0
+        assert r["p50_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
+    assert rows["miss"]["hit_blocks"] == 0
+    for name in expected - {"miss", "dead-silent", "dead-refused"}:
+        assert rows[name]["hit_blocks"] == rows[name]["asked_blocks"] == 160, name
+    for name in ("dead-silent", "dead-refused"):
+        r = rows[name]
+        assert r["hit_blocks"] == 0
+        # Within the deadline (one, not one per batch of fetches), and the circuit spares
+        # every later request: at most the first one pays.
+        assert r["max_ms"] < 1.9 * deadline * 1e3, r["latencies_ms"]
+        assert r["paid_deadline"] <= 1 and r["tiers"][0]["circuit"] == "open"
+    assert rows["dead-silent"]["paid_deadline"] == 1 and rows["dead-silent"]["tiers"][0][
+        "timeouts"] <= 32
 
 
 def test_bench_restore_measures_every_path(tmp_path):

@@ -11,17 +11,15 @@ page cache is warm (the blocks were just written); `--cold` drops it before each
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
-from .common import conditions
+from .common import conditions, finish
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 
@@ -106,7 +104,4 @@ def table(record: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     record = run(args.lengths, workdir=args.dir, repeats=args.repeats, cold=args.cold)
-    print(table(record))
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+    return finish(record, args, table(record))

@@ -20,14 +20,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from .. import simulate
 from ..hashing import ModelSpec
 from ..policy import DEFAULT_POLICY
-from ..trace import Request
-from .common import conditions
+from ..trace import GENERATORS, Request, describe
+from .common import conditions, finish
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 
@@ -99,37 +98,78 @@ def replay(requests: list[Request], *, fraction: float, policy: str, workdir: st
     }
 
 
+def _traces(trace: str, *, limit: int | None, seed: int, options: dict[str, Any],
+            concurrency: list[int] | None) -> list[tuple[int | None, list[Request]]]:
+    """(concurrency, requests) for each point of the run: one trace, or on the concurrency
+    axis the same generated sessions run N at a time (closed loop) for each N."""
+    if not concurrency:
+        if trace in GENERATORS:
+            requests = GENERATORS[trace](**{"seed": seed, **options})
+        else:
+            requests = simulate.load(trace, seed)
+        return [(None, requests[:limit] if limit else requests)]
+    out = []
+    for n in concurrency:
+        requests = GENERATORS[trace](**{"seed": seed, **options, "concurrency": n})
+        out.append((n, requests))
+    return out
+
+
 def run(trace: str, fractions: list[float], policies: list[str], *, workdir: str,
-        block_kib: int, limit: int | None, seed: int) -> dict[str, Any]:
-    requests = simulate.load(trace, seed)
-    if limit:
-        requests = requests[:limit]
-    distinct = len({k for r in requests for k in r.hash_ids})
+        block_kib: int, limit: int | None, seed: int, options: dict[str, Any] | None = None,
+        concurrency: list[int] | None = None) -> dict[str, Any]:
+    """Each policy at each capacity fraction; with `concurrency`, at each number of sessions
+    interleaved too. The sessions (so the turns, the distinct blocks and the capacity in
+    blocks) are the same at every concurrency; only their interleaving changes."""
+    points = _traces(trace, limit=limit, seed=seed, options=options or {},
+                     concurrency=concurrency)
+    for _, requests in points:
+        distinct = len({k for r in requests for k in r.hash_ids})
+        longest = max((len(r.hash_ids) for r in requests), default=0)
+        for fraction in fractions:
+            if max(1, round(fraction * distinct)) < longest:
+                raise ValueError(
+                    f"a capacity of {fraction:g} x {distinct} distinct blocks cannot hold one "
+                    f"request of {longest} blocks (the mount would refuse it): raise "
+                    "--capacity-fraction")
     rows = []
-    for fraction in fractions:
-        cap = max(1, round(fraction * distinct))
-        opt = simulate.belady(requests, cap)
-        for policy in policies:
-            row = replay(requests, fraction=fraction, policy=policy, workdir=workdir,
-                         block_kib=block_kib)
-            sim = simulate.simulate(requests, policy, cap)
-            row.update(simulated_block_hit=round(100 * sim.block_hit_rate, 2),
-                       optimum_block_hit=round(100 * opt.block_hit_rate, 2),
-                       optimum_token_hit=round(100 * opt.token_hit_rate, 2))
-            rows.append(row)
-    return {"benchmark": "hitrate", "trace": str(trace), "requests": len(requests),
-            "distinct_blocks": distinct, "block_kib": block_kib,
+    for n, requests in points:
+        distinct = len({k for r in requests for k in r.hash_ids})
+        shape = describe(requests)
+        for fraction in fractions:
+            cap = max(1, round(fraction * distinct))
+            opt = simulate.belady(requests, cap)
+            for policy in policies:
+                row = replay(requests, fraction=fraction, policy=policy, workdir=workdir,
+                             block_kib=block_kib)
+                sim = simulate.simulate(requests, policy, cap)
+                row.update(concurrency=n,
+                           measured_concurrency=shape["concurrency"].get("p50"),
+                           requests=len(requests), distinct_blocks=distinct,
+                           simulated_block_hit=round(100 * sim.block_hit_rate, 2),
+                           optimum_block_hit=round(100 * opt.block_hit_rate, 2),
+                           optimum_token_hit=round(100 * opt.token_hit_rate, 2))
+                rows.append(row)
+    requests = points[0][1]
+    return {"benchmark": "hitrate", "trace": str(trace), "generator_options": options or {},
+            "seed": seed, "requests": len(requests),
+            "distinct_blocks": len({k for r in requests for k in r.hash_ids}),
+            "concurrency_axis": concurrency or None, "block_kib": block_kib,
             "scale": f"each 512-token block stored as {block_kib} KiB of payload",
             "rows": rows, "conditions": conditions([workdir])}
 
 
 def table(record: dict[str, Any]) -> str:
+    axis = bool(record.get("concurrency_axis"))
     lines = [f"{record['requests']} requests, {record['distinct_blocks']} distinct blocks; "
              f"{record['scale']}",
-             f"{'capacity':>10} {'policy':<10} {'block hit %':>11} {'token hit %':>11} "
+             ("sessions at once (set / measured median) " if axis else "")
+             + f"{'capacity':>10} {'policy':<10} {'block hit %':>11} {'token hit %':>11} "
              f"{'simulated %':>11} {'optimum %':>10} {'evictions':>9}"]
     for r in record["rows"]:
-        lines.append(f"{r['fraction']:>9.0%} {r['policy']:<10} {r['block_hit']:>11.2f} "
+        conc = (f"{r['concurrency']:>21} / {r['measured_concurrency']!s:<17}" if axis
+                else "")
+        lines.append(f"{conc}{r['fraction']:>9.0%} {r['policy']:<10} {r['block_hit']:>11.2f} "
                      f"{r['token_hit']:>11.2f} {r['simulated_block_hit']:>11.2f} "
                      f"{r['optimum_block_hit']:>10.2f} {r['evictions']:>9}")
     return "\n".join(lines)
@@ -137,8 +177,6 @@ def table(record: dict[str, Any]) -> str:
 
 def main(args: Any) -> int:
     record = run(args.trace, args.capacity_fraction, args.policy or [DEFAULT_POLICY],
-                 workdir=args.dir, block_kib=args.block_kib, limit=args.limit, seed=args.seed)
-    print(table(record))
-    if args.json:
-        Path(args.json).write_text(json.dumps(record, indent=2) + "\n")
-    return 0
+                 workdir=args.dir, block_kib=args.block_kib, limit=args.limit, seed=args.seed,
+                 options=args.options, concurrency=args.concurrency)
+    return finish(record, args, table(record))

