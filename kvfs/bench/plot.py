@@ -92,8 +92,10 @@ def _hitrate(record: dict[str, Any], plt: Any) -> Any:
     if opt:
         ax.plot([100 * x for x, _ in opt], [y for _, y in opt], "k--", marker="x",
                 label="optimum (Belady)")
+    data_ticks(ax, [100 * x for x in (number(r.get("fraction")) for r in base) if x])
     ax.set_xlabel("hot-tier capacity (% of the trace's distinct blocks)")
     ax.set_ylabel("block hit %")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
     ax.set_title("hit rate vs capacity" + (f" ({ckey} {levels[0]:g})" if levels else ""),
                  fontsize=9)
     ax.grid(True, alpha=0.3)
@@ -121,6 +123,7 @@ def _hitrate(record: dict[str, Any], plt: Any) -> Any:
         data_ticks(ax, levels)
         ax.set_xlabel(f"{ckey} (interleaved)")
         ax.set_ylabel("block hit %")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
         ax.set_title(f"hit rate vs {ckey}", fontsize=9)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

@@ -186,7 +186,13 @@ def conditions_text(c: Any) -> str:
 def _value(v: Any) -> str:
     if isinstance(v, float):
         return f"{v:g}"
-    if isinstance(v, dict | list):
+    if isinstance(v, dict):
+        if not v:
+            return "(none)"
+        items = ", ".join(f"{k}={x}" for k, x in v.items()
+                          if isinstance(x, str | int | float | bool))
+        return f"({items})" if items and len(items) <= 500 else "(in the JSON record)"
+    if isinstance(v, list):
         text = json.dumps(v, sort_keys=True)
         return f"`{text}`" if len(text) <= 300 else "(in the JSON record)"
     return str(v)
