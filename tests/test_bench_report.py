@@ -293,6 +293,18 @@ def test_a_malformed_record_is_named_and_changes_nothing(tmp_path, bad, why):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no plot, no temporary
 
 
+def test_a_mount_record_of_the_older_shape_renders_its_figures(tmp_path):
+    """tools/bench_mount.py's own JSON called its rows `table`: with a kind, it renders."""
+    records = tmp_path / "bench"
+    records.mkdir()
+    record = mount_record(tmp_path)
+    record["table"] = record.pop("rows")
+    (records / "mount.json").write_text(json.dumps(record))
+    out = tmp_path / "benchmarks.md"
+    report.report(str(records), str(out))
+    assert "| seq read, warm cache, 1 thread | 3.46 GB/s | 3.96 GB/s" in out.read_text()
+
+
 def test_a_missing_records_directory_is_a_clear_error(tmp_path):
     res = kvfs("bench", "report", "--records", str(tmp_path / "nope"), "--output",
                str(tmp_path / "b.md"), check=False)

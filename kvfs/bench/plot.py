@@ -31,8 +31,11 @@ def number(x: Any) -> float | None:
 
 
 def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The record's rows (dicts only); a restore record nests them under sizes[].results."""
+    """The record's rows (dicts only); older restore records nest them under sizes[].results,
+    older mount records call them `table`."""
     rows = record.get("rows")
+    if not isinstance(rows, list) and isinstance(record.get("table"), list):
+        rows = record["table"]
     if not isinstance(rows, list):
         rows = [r for s in record.get("sizes") or [] if isinstance(s, dict)
                 for r in s.get("results") or []]

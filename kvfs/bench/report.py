@@ -677,9 +677,10 @@ def check(record: Any, path: str) -> dict[str, Any]:
     for key in ("notes",):
         if key in record and not isinstance(record[key], str | list):
             raise ReportError(f"{path}: \"{key}\" must be text")
-    raw = record["rows"] if isinstance(record.get("rows"), list) else [
-        r for s in record.get("sizes") or [] for r in (s.get("results") or [] if isinstance(
-            s, dict) else [s])]
+    raw = (record["rows"] if isinstance(record.get("rows"), list) else record["table"]
+           if isinstance(record.get("table"), list) else [
+               r for s in record.get("sizes") or []
+               for r in (s.get("results") or [] if isinstance(s, dict) else [s])])
     numeric = BY_NAME[kind].numeric if kind in BY_NAME else ()
     for i, row in enumerate(raw):
         if not isinstance(row, dict):
@@ -883,10 +884,14 @@ def report(records_dir: str = DEFAULT_RECORDS, output: str = DEFAULT_OUTPUT, *,
     if redraw:
         from . import plot  # noqa: PLC0415
 
+        try:
+            import matplotlib  # noqa: F401, PLC0415
+        except ImportError:
+            raise ReportError("--redraw needs matplotlib (pip install 'kvfs[bench]')") from None
         for path, record in records:
             png = os.path.splitext(path)[0] + ".png"
             if not plot.draw(record, png):
-                raise ReportError("--redraw needs matplotlib (pip install kvfs[bench])")
+                raise ReportError(f"{path}: its plot cannot be drawn (the log says why)")
             log.info("redrew %s", png)
         text = render(records, out_dir, label)
     write_atomically(output, text)
