@@ -348,3 +348,20 @@ def test_command_lines_read_as_typed():
     assert report.command_line("python tools/bench_tiers.py --out /home/me/x --quick") \
         == "python tools/bench_tiers.py --out .../x --quick"
     assert report.command_line(None) is None
+
+
+def test_runs_of_one_kind_are_listed_newest_first(tmp_path):
+    records = tmp_path / "bench"
+    records.mkdir()
+    for name, when, lengths in (("a-new", "2026-12-02 10:00:00 +0000", "4096"),
+                                ("b-old", "2026-11-01 10:00:00 +0000", "16")):
+        record = crossover_record(tmp_path)
+        record["conditions"]["time"] = when
+        record["command"] = ["kvfs", "bench", "crossover", "--lengths", lengths]
+        (records / f"{name}.json").write_text(json.dumps(record))
+    out = tmp_path / "benchmarks.md"
+    report.report(str(records), str(out))
+    text = out.read_text()
+    assert text.index("### Run of 2026-12-02") < text.index("### Run of 2026-11-01")
+    head = text.split("## Crossover")[0]
+    assert "| 2026-12-02: " in head and "`kvfs bench crossover --lengths 4096`" in head

@@ -643,12 +643,13 @@ some resuming after long idle gaps; or a mix with one-off requests), or reads an
 (`--describe`), and measures it from the requests alone: the shared prefix, the share of each
 request's input tokens reused from earlier ones, concurrency and idle gaps. These are the
 properties the hit-rate figures depend on.""", _generic_table),
-    Kind("gpu", "GPU restore", "python tools/gpu_check.py --json docs/bench/gpu.json", """\
+    Kind("gpu", "GPU restore", "python tools/gpu_check.py", """\
 The direct path into GPU memory: blocks written through a mount, loaded into CUDA tensors
 through the kvikio transport (cuFile / GDS where the filesystem and driver allow it) and the
 POSIX one, every byte verified, against threaded `preadv` into pinned memory followed by a
 host-to-device copy of the same bytes in the same run. It needs a GPU: on a host without one
-it is skipped with that reason.""", _generic_table, (), needs_gpu=True),
+it says so and exits. (Its JSON output is not yet a record of this page: a record of kind
+`gpu` in the records' directory is rendered here.)""", _generic_table, (), needs_gpu=True),
 ]
 BY_NAME = {k.name: k for k in KINDS}
 #: Record fields shown by their kind's table or elsewhere, not as parameters.
@@ -818,12 +819,20 @@ def _run(kind: Kind, path: str, record: dict[str, Any], out_dir: str) -> list[st
     return lines
 
 
+def _when(record: dict[str, Any]) -> str:
+    c = record.get("conditions")
+    return str(c.get("time", "")) if isinstance(c, dict) else ""
+
+
 def render(records: list[tuple[str, dict[str, Any]]], out_dir: str, records_label: str) -> str:
     """The whole document. `out_dir` is where it will live (image links are relative to it);
     `records_label` names the records' directory in its head."""
     by_kind: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for path, record in records:
         by_kind.setdefault(record["benchmark"], []).append((path, record))
+    for runs in by_kind.values():  # the newest run first (then by file name)
+        runs.sort(key=lambda pr: os.path.basename(pr[0]))
+        runs.sort(key=lambda pr: _when(pr[1]), reverse=True)
     kinds = KINDS + [Kind(name, name.capitalize(), "",
                           f"Records of kind `{name}` (no description in kvfs/bench/report.py "
                           "yet).", _figure_table) for name in by_kind if name not in BY_NAME]
@@ -832,12 +841,12 @@ def render(records: list[tuple[str, dict[str, Any]]], out_dir: str, records_labe
     for k in kinds:
         runs = by_kind.get(k.name, [])
         if runs:
-            c = runs[-1][1].get("conditions") or {}
+            c = runs[0][1].get("conditions") or {}
             state = f"{str(c.get('time', '?')).split(' ')[0]}: {conditions_brief(c)}"
         else:
             state = "needs a GPU: not measured here" if k.needs_gpu else \
                 "not yet measured on this machine"
-        cmd = command_line(runs[-1][1].get("command")) if runs else None
+        cmd = command_line(runs[0][1].get("command")) if runs else None
         anchor = k.title.lower().replace(" ", "-")
         cmd = cmd or k.command
         lines.append(f"| [{k.title}](#{anchor}) | {state} | {f'`{cmd}`' if cmd else '-'} |")
