@@ -189,6 +189,45 @@ def test_corrupt_block_is_a_miss_and_quarantined(mount, cache):
     assert cache.lookup(hashes) == 2
 
 
+#: Blocks above transport.HASH_PIECE (read and hashed in pieces), padded: 1,054,720 bytes.
+BIG = kvfs.ModelSpec(model="org/big", revision="r1", kv_dtype="bfloat16", block_size=16,
+                     num_layers=4, num_kv_heads=4, head_dim=1030)
+
+
+@pytest.mark.parametrize("verify", ["full", "sampled"])
+def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify):
+    """The loader reads no fstat: a probe past the padding tells the file's length. A block
+    one byte too long, one missing a byte of padding, or one cut in its payload is a miss
+    whether or not its checksum is sampled, nothing of it stays in `out`, and the daemon
+    quarantines it."""
+    quarantined = 0
+    for spec in (SPEC, BIG):
+        assert spec.block_payload_bytes % 4096  # padded: the probe covers padding + 1 byte
+        damages = (("longer", lambda p, n: open(p, "ab").write(b"\0")),
+                   ("padding cut", lambda p, n: os.truncate(p, n - 1)),
+                   ("payload cut", lambda p, n: os.truncate(
+                       p, 4096 + spec.block_payload_bytes // 2)))
+        with KVCache.open(mount.mnt, tenant=tenant, spec=spec, verify=verify) as c:
+            for k, (what, damage) in enumerate(damages):
+                hashes = c.block_hashes(list(range(3 * spec.block_size)), extra=f"{what}")
+                g = torch.Generator().manual_seed(k)
+                kv = torch.randn((3, *spec.block_shape), generator=g).to(torch.bfloat16)
+                c.save(hashes, kv)
+                path = c.path(hashes[1])
+                damage(path, os.path.getsize(path))
+                out = torch.full_like(kv, 7.0)
+                assert c.load(hashes, out) == 1, what
+                assert torch.equal(out[0], kv[0])
+                assert torch.count_nonzero(out[1]) == 0, what  # nothing of it left in out
+                # Past the miss: unread, or read in parallel and sound (never returned).
+                assert torch.all(out[2] == 7.0) or torch.equal(out[2], kv[2])
+                quarantined += 1
+                assert not os.path.exists(path), what
+            assert (c.stats["corrupt_blocks"], c.stats["loaded_blocks"]) == (3, 3)
+    counts = mount.stats()["tenants"]["acme"]
+    assert sum(ns["checksum_failures"] for ns in counts.values()) == quarantined
+
+
 def test_sampled_verification_still_checks_headers(mount, tenant):
     with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, verify="sampled") as c:
         hashes = c.block_hashes(tokens(16))
