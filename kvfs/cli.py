@@ -86,6 +86,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         high_watermark=float(pick("high_watermark", 0.95)),
         low_watermark=float(pick("low_watermark", 0.90)),
         scan_interval=float(pick("scan_interval", 60.0)),
+        policy_entries=int(pick("policy_entries", 131072)),
         cold=pick("cold", None),
         shared=pick("shared", None),
         write_through=not args.no_write_through and bool(conf.get("write_through", True)),
@@ -111,7 +112,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     if opts.capacity is not None:
         cmd += ["--capacity", str(opts.capacity)]
     cmd += ["--policy", opts.policy, "--high-watermark", str(opts.high_watermark),
-            "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval)]
+            "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval),
+            "--policy-entries", str(opts.policy_entries)]
     for flag, value in (("--cold", opts.cold), ("--shared", opts.shared),
                         ("--fetch-timeout", opts.fetch_timeout),
                         ("--tier-cooldown", opts.tier_cooldown), ("--metrics", opts.metrics),
@@ -147,6 +149,8 @@ def _validate(opts: Any) -> None:
         raise ConfigError(f"unknown policy {opts.policy!r}; choose from {', '.join(POLICIES)}")
     if opts.scan_interval <= 0:
         raise ConfigError("scan_interval must be positive")
+    if opts.policy_entries < 1:
+        raise ConfigError("policy_entries must be at least 1")
 
 
 def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
@@ -610,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="start background eviction above this fraction of capacity (0.95)")
     m.add_argument("--low-watermark", type=float, dest="low_watermark",
                    help="background eviction frees down to this fraction (0.90)")
+    m.add_argument("--policy-entries", type=int, dest="policy_entries",
+                   help="files whose eviction state is kept in memory (131072); older ones "
+                        "wait in the index and are evicted first, oldest access first")
     m.add_argument("--scan-interval", type=float, dest="scan_interval",
                    help="seconds between retention scans (60)")
     m.add_argument("--cold", help="a directory tier below hot: dir:///path")

@@ -21,6 +21,7 @@ KEYS: dict[str, type] = {
     "high_watermark": float,
     "low_watermark": float,
     "scan_interval": float,
+    "policy_entries": int,
     "cold": str,
     "shared": str,
     "write_through": bool,

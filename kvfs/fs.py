@@ -131,6 +131,9 @@ class MountInfo:
     low_watermark: float = 0.90
     #: Seconds between retention scans.
     scan_interval: float = 60.0
+    #: Files whose eviction state the policies keep in memory, all tenants together; the
+    #: rest wait in the index in access order and are evicted first (bounded memory).
+    policy_entries: int = 131072
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -206,17 +209,69 @@ class Operations(pyfuse3.Operations):
 
     def _load_policies(self, tenant: int | None = None) -> None:
         """Rebuild the eviction policies' state from the index, oldest access first (of one
-        tenant, after a move that changed its files' keys; of all, at mount)."""
+        tenant, after a move that changed its files' keys; of all, at mount). Only the most
+        recently used `policy_entries` files enter memory: the others are cold (see
+        `_cold_victims`)."""
         if tenant is not None:
             self.policies.pop(tenant, None)
-        for node in self.index.cached_files():
-            if tenant is not None and node.tenant != tenant:
-                continue
-            p = self._policy(node.tenant)
-            key = self._pkey(node)
-            p.insert(key, node.size, parent=self._parent_key(node), now=0.0)
-            if node.pinned:
-                p.pin(key, True)
+        for node in self.index.cached_files(self.info.policy_entries, tenant):
+            self._enter(node)
+        self._bound()
+
+    def _enter(self, node: Node, now: float = 0.0) -> None:
+        """Give a hot file an entry in its tenant's policy (at mount, or when a cold one is
+        used again)."""
+        p = self._policy(node.tenant)
+        key = self._pkey(node)
+        p.insert(key, node.size, parent=self._parent_key(node), now=now)
+        if node.pinned:
+            p.pin(key, True)
+
+    def _bound(self) -> None:
+        """Keep the policies' entries, all tenants together, under `policy_entries`: past it,
+        the largest policy gives up its best victims (plus a sixty-fourth of the limit, so
+        that this runs rarely). Their files stay cached, cold: known to the index only, and
+        evicted first, oldest access first."""
+        limit = self.info.policy_entries
+        total = sum(len(p) for p in self.policies.values())
+        if total <= limit or not self.policies:
+            return
+        policy = max(self.policies.values(), key=len)
+        want = total - limit + max(1, limit // 64)
+        spilled = []
+        offered = policy.victims()
+        for key in offered:
+            spilled.append(key)
+            if len(spilled) >= want:
+                break
+        offered.close()
+        for key in spilled:
+            policy.remove(key)
+
+    def _cold(self, tenant: int) -> int:
+        """How many of a tenant's hot files have no entry in its policy."""
+        p = self.policies.get(tenant)
+        return self.stats.tenant_files(tenant) - (len(p) if p is not None else 0)
+
+    def _cold_victims(self, tenant: int, need: int, chosen: list[Node]) -> int:
+        """Choose cold files of a tenant, least recently accessed first, until `need` bytes;
+        returns the bytes chosen. Files the policy holds are skipped: it orders those."""
+        policy = self.policies.get(tenant)
+        freed, after = 0, (-1, 0)
+        while freed < need:
+            rows = self.index.coldest(tenant, after, 256)
+            if not rows:
+                break
+            for node in rows:
+                after = (node.atime_ns, node.inode)
+                if (node.inode in self.open_files or node.inode in self.evicting
+                        or (policy is not None and self._pkey(node) in policy)):
+                    continue
+                chosen.append(node)
+                freed += node.size
+                if freed >= need:
+                    break
+        return freed
 
     def load_limits(self) -> None:
         """Read every tenant's limits from its backing directory (blocking: before serving)."""
@@ -290,8 +345,13 @@ class Operations(pyfuse3.Operations):
         chosen: list[Node] = []
         freed = 0
         tenants = [tenant] if tenant is not None else sorted(
-            self.policies, key=lambda t: -self._pressure(t))
+            set(self.policies) | {t for t, _ in self.stats.by_ns},
+            key=lambda t: -self._pressure(t))
         for t in tenants:
+            if self._cold(t) > 0:  # files without policy state go first
+                freed += self._cold_victims(t, need - freed, chosen)
+                if freed >= need:
+                    break
             policy = self.policies.get(t)
             if policy is None:
                 continue
@@ -916,6 +976,7 @@ class Operations(pyfuse3.Operations):
                                  writing=int(writable))
         self.stats.account(self._key(node), 1, 0)
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
+        self._bound()
         fh = self._register(node, fd, writable, ctx)
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
@@ -971,7 +1032,7 @@ class Operations(pyfuse3.Operations):
             self.stats.account(self._key(node), 0, -of.size)
             of.size, of.mtime_ns = 0, now
         self.index.update(inode, atime_ns=now)
-        self._policy(node.tenant).access(self._pkey(node), now / 1e9)
+        self._used(node, now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self._key(node)].mount_hits += 1
         busy = writable or self.open_files[inode].writers > 0
@@ -1109,12 +1170,24 @@ class Operations(pyfuse3.Operations):
             rel = self._path(node)
             self.tiering.enqueue_upload(self._tier_key(rel), os.fsdecode(self.store.path(rel)))
 
+    def _used(self, node: Node, now: float) -> None:
+        """A hot file was used: tell its policy, entering it first if it was cold."""
+        if not node.is_reg or node.tier or node.parent == ORPHAN_PARENT:
+            return
+        policy = self._policy(node.tenant)
+        key = self._pkey(node)
+        if key not in policy:
+            self._enter(node, now)
+            self._bound()
+        policy.access(key, now)
+
     def _unblock(self, node: Node) -> None:
         """A block stops being one (truncated, renamed away): key its policy entry by inode."""
         if node.block_hash is not None and not node.tier:
             policy = self._policy(node.tenant)
             policy.remove(self._pkey(node))
             policy.insert(node.inode, node.size, now=time.time())
+            self._bound()
 
     def _cache_block(self, node: Node) -> None:
         """(Re)enter a complete block into its tenant's policy, linked to its parent."""
@@ -1126,6 +1199,7 @@ class Operations(pyfuse3.Operations):
         policy.insert(key, node.size, parent=self._parent_key(node), now=time.time())
         if node.pinned:
             policy.pin(key, True)
+        self._bound()
 
     # -- names ----------------------------------------------------------------------------
 
@@ -1506,11 +1580,20 @@ class Operations(pyfuse3.Operations):
         if a.hashes:
             now = time.time_ns()
             policy = self._policy(dnode.tenant)
+            entered = False
             for h in a.hashes:
+                if (dnode.ns, h) not in policy:  # cold (or not cached here: then skipped)
+                    node = self.index.find_block(dnode.ns, h)
+                    if node is None or node.tier or node.parent == ORPHAN_PARENT:
+                        continue
+                    self._enter(node, now / 1e9)
+                    entered = True
                 policy.access((dnode.ns, h), now / 1e9)
                 # Access times reach the index in batches (flush_atimes): the control call
                 # costs what the policy and the counters cost, not one UPDATE per block.
                 self._atimes[(dnode.ns, h)] = now
+            if entered:
+                self._bound()
 
     def _verify_block(self, rel: bytes) -> str | None:
         """Thread: None if the block file is sound, else what is wrong with it."""
@@ -1585,6 +1668,10 @@ class Operations(pyfuse3.Operations):
             "used_bytes": self.stats.used_bytes,
             "files": self.stats.total_files,
             "open_files": len(self.open_files),
+            # Files with eviction state in memory (at most policy_entries); the others are
+            # cold: cached, known to the index only, evicted first.
+            "policy": {"name": self.info.policy, "entries_limit": self.info.policy_entries,
+                       "entries": sum(len(p) for p in self.policies.values())},
             "tenants": self.stats.render(names),
             "tiers": self._tiers_snapshot(),
         }

@@ -17,8 +17,8 @@ from .cli import EXIT_USAGE
 from .cli import main as kvfs_main
 
 VALUED = {"capacity", "config", "log", "policy", "high_watermark", "low_watermark",
-          "scan_interval", "cold", "shared", "fetch_timeout", "tier_cooldown", "metrics",
-          "audit"}
+          "scan_interval", "policy_entries", "cold", "shared", "fetch_timeout", "tier_cooldown",
+          "metrics", "audit"}
 FLAGS = {"debug", "no_write_through"}
 IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "users", "nouser", "nofail",
            "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "atime", "noatime",

@@ -90,11 +90,14 @@ def create_tables(db: sqlite3.Connection) -> None:
         -- Directory listing in inode order: readdir offsets are inodes, so they stay stable
         -- while entries are added and removed.
         CREATE INDEX IF NOT EXISTS nodes_by_parent ON nodes (parent, inode);
-        -- Blocks by namespace and hash: access records, chains, quarantine.
         -- Blocks that live only in a lower tier, for its use as this host knows it.
         CREATE INDEX IF NOT EXISTS nodes_by_tier ON nodes (tier) WHERE tier > 0;
+        -- Blocks by namespace and hash: access records, chains, quarantine.
         CREATE INDEX IF NOT EXISTS nodes_by_block ON nodes (ns, block_hash)
             WHERE block_hash IS NOT NULL;
+        -- A tenant's files in access order: the files whose eviction state is not held in
+        -- memory are evicted from here, oldest first; retention scans the same order.
+        CREATE INDEX IF NOT EXISTS nodes_by_atime ON nodes (tenant, atime_ns);
         CREATE TABLE IF NOT EXISTS meta (
             key   TEXT PRIMARY KEY,
             value TEXT NOT NULL
@@ -336,13 +339,29 @@ class Index:
             self.db.executemany(
                 "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?", touched)
 
-    def cached_files(self) -> Iterator[Node]:
-        """Every named regular file of the hot tier, least recently accessed first: what the
-        eviction policies start from."""
+    def cached_files(self, newest: int, tenant: int | None = None) -> Iterator[Node]:
+        """The `newest` most recently accessed named regular files of the hot tier (of one
+        tenant, or of all), least recently accessed first: what the eviction policies start
+        from."""
+        where = "(mode & ?) = ? AND parent != ? AND tier = 0"
+        args: tuple = (0o170000, stat.S_IFREG, ORPHAN_PARENT)
+        if tenant is not None:
+            where, args = where + " AND tenant = ?", (*args, tenant)
         rows = self.db.execute(
-            f"SELECT {_COLUMNS} FROM nodes WHERE (mode & ?) = ? AND parent != ? AND tier = 0 "
-            "ORDER BY atime_ns", (0o170000, stat.S_IFREG, ORPHAN_PARENT))
+            f"SELECT * FROM (SELECT {_COLUMNS} FROM nodes WHERE {where} "
+            "ORDER BY atime_ns DESC, inode DESC LIMIT ?) ORDER BY atime_ns, inode",
+            (*args, newest))
         return (_node(r) for r in rows)
+
+    def coldest(self, tenant: int, after: tuple[int, int], limit: int) -> list[Node]:
+        """A tenant's evictable hot files (unpinned, complete, named) in access order, from
+        just after (atime_ns, inode) `after` on."""
+        rows = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE tenant = ? AND (atime_ns, inode) > (?, ?) "
+            "AND (mode & ?) = ? AND parent != ? AND tier = 0 AND pinned = 0 AND writing = 0 "
+            "ORDER BY atime_ns, inode LIMIT ?",
+            (tenant, *after, 0o170000, stat.S_IFREG, ORPHAN_PARENT, limit)).fetchall()
+        return [_node(r) for r in rows]
 
     def expired(self, tenant: int, idle_before_ns: int, written_before_ns: int,
                 limit: int = 1000) -> list[Node]:

@@ -50,6 +50,7 @@ class MountOptions:
     high_watermark: float = 0.95
     low_watermark: float = 0.90
     scan_interval: float = 60.0
+    policy_entries: int = 131072  # files with eviction state in memory (the rest: index)
     cold: str | None = None  # dir:///path
     shared: str | None = None  # s3://bucket/prefix?endpoint=...
     write_through: bool = True
@@ -173,7 +174,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
                      capacity=opts.capacity, policy=opts.policy,
                      high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
-                     scan_interval=opts.scan_interval)
+                     scan_interval=opts.scan_interval, policy_entries=opts.policy_entries)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
     tiering = make_tiering(opts)
     audit = Audit(opts.audit) if opts.audit else None

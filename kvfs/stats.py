@@ -82,6 +82,9 @@ class Stats:
     def total_files(self) -> int:
         return sum(c.files for c in self.by_ns.values())
 
+    def tenant_files(self, tenant: int) -> int:
+        return sum(c.files for (t, _), c in self.by_ns.items() if t == tenant)
+
     def tenant_bytes(self, tenant: int) -> int:
         return sum(c.bytes for (t, _), c in self.by_ns.items() if t == tenant)
 

@@ -170,3 +170,28 @@ def test_client_reads_keep_blocks_from_expiring(small):
             time.sleep(0.3)
         assert not os.path.exists(cache.path(idle[0]))
         assert cache.lookup(used) == 1
+
+
+def test_bounded_policy_memory_evicts_cold_files_oldest_first(mount_factory):
+    """With room for 4 policy entries, the other files are cold (index only): they are
+    evicted first, oldest access first, and one that is read again is warm again."""
+    m = mount_factory(extra=["--capacity", "1M", "--high-watermark", "1",
+                             "--low-watermark", "1", "--policy", "lru",
+                             "--policy-entries", "4"])
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    ns = m.mnt / "t" / "ns"
+    ns.mkdir()
+    for i in range(8):
+        write(ns / f"f{i}", 100 * K)
+        time.sleep(0.01)  # distinct access times
+    assert m.stats()["policy"]["entries"] <= 4
+    (ns / "f0").read_bytes()  # the oldest, cold: now the most recent, warm again
+    for i in range(8, 11):
+        write(ns / f"f{i}", 100 * K)
+        assert m.stats()["used_bytes"] <= 1 << 20
+    left = set(os.listdir(ns))
+    # 11 files of 100 KiB in 1 MiB: one had to go, the least recently used (f1), not f0.
+    assert "f1" not in left and {"f0", "f2", "f10"} <= left, left
+    assert m.stats()["policy"]["entries"] <= 4
+    assert m.stats()["tenants"]["t"]["ns"]["evictions"] == len({f"f{i}" for i in range(11)}
+                                                                 - left)
