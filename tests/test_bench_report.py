@@ -264,7 +264,7 @@ def test_report_renders_concurrency_and_degraded(tmp_path):
     assert "Recomputing the same context instead: 250.0 ms" in text
     assert "Skipped: s3: SeaweedFS's weed binary is not installed" in text
     assert "recompute_ms" not in text.split("## Degraded")[1].split("Parameters:")[1]
-    assert "matplotlib was not installed" in text  # no PNG beside these records
+    assert "No plot beside this record" in text  # no PNG beside these records
 
 
 @pytest.mark.parametrize("bad, why", [

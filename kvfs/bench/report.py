@@ -85,8 +85,10 @@ def _filesystems(c: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def filesystem_text(fs: dict[str, Any]) -> str:
     kind = str(fs.get("kind") or "unknown device")
-    text = f"{fs.get('type', '?')} on {'a' if not kind.startswith('no ') else ''} {kind}"
-    text = text.replace("  ", " ")
+    if kind.startswith("no "):
+        text = f"{fs.get('type', '?')} (no block device)"
+    else:
+        text = f"{fs.get('type', '?')} on {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
     extra = [f"{fs['size_gib']:g} GiB" if number(fs.get("size_gib")) else None,
              f"read-ahead {fs['read_ahead_kb']} KiB" if number(fs.get("read_ahead_kb")) else None,
              f"model {fs['model']}" if fs.get("model") else None]
@@ -114,8 +116,10 @@ def conditions_brief(c: Any) -> str:
         parts.append(str(c["gpu"]))
     fss = _filesystems(c)
     if fss:
-        kinds = list(dict.fromkeys(f"{fs.get('type', '?')} on {fs.get('kind', '?')}"
-                                   for fs in fss.values()))
+        kinds = list(dict.fromkeys(
+            f"{fs.get('type', '?')}" + ("" if str(fs.get("kind", "")).startswith("no ")
+                                        else f" on {fs.get('kind', '?')}")
+            for fs in fss.values()))
         parts.append(" / ".join(kinds))
     load = _load(c.get("load_average", c.get("loadavg_before")))
     if load:
@@ -789,8 +793,8 @@ def _run(kind: Kind, path: str, record: dict[str, Any], out_dir: str) -> list[st
         rel = os.path.relpath(png, out_dir).replace(os.sep, "/")
         lines += [f"![{kind.title}: {os.path.basename(path)}]({rel})", ""]
     else:
-        lines += ["(No plot: matplotlib was not installed; `kvfs bench report --redraw` draws "
-                  "it from the record.)", ""]
+        lines += ["(No plot beside this record: `kvfs bench report --redraw` draws it from "
+                  "the record, with matplotlib installed.)", ""]
     verdicts = [v for v in record.get("verdicts") or [] if isinstance(v, dict)]
     if verdicts:
         lines += ["Targets:", ""]
