@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import struct
 import sys
 from argparse import Namespace
@@ -370,3 +371,14 @@ def test_runs_of_one_kind_are_listed_newest_first(tmp_path):
     assert text.index("### Run of 2026-12-02") < text.index("### Run of 2026-11-01")
     head = text.split("## Crossover")[0]
     assert "| 2026-12-02: " in head and "`kvfs bench crossover --lengths 4096`" in head
+
+
+def test_report_defaults_to_docs_bench_and_docs_benchmarks_md(tmp_path):
+    records = tmp_path / "docs" / "bench"
+    records.mkdir(parents=True)
+    (records / "crossover.json").write_text(json.dumps(crossover_record(tmp_path)))
+    res = kvfs("bench", "report", cwd=tmp_path,
+               env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)})
+    assert "docs/benchmarks.md: 1 records from docs/bench" in res.stdout
+    text = (tmp_path / "docs" / "benchmarks.md").read_text()
+    assert "JSON records in docs/bench/" in text and "| 128 | 31.0 | 10.4 |" in text
