@@ -417,9 +417,16 @@ class S3FIFO(ChainPolicy):
         return False
 
     def _pick(self) -> _Node | None:
-        if self._small.bytes >= self.small_share * self.bytes:
-            return self._small.first(self._promote) or self._main.first(self._reinsert)
-        return self._main.first(self._reinsert) or self._small.first(self._promote)
+        # A pass that only gave second chances finds nothing; each pass spends one of every
+        # counter it meets, so within four more every tail is a candidate again.
+        for _ in range(5):
+            if self._small.bytes >= self.small_share * self.bytes:
+                node = self._small.first(self._promote) or self._main.first(self._reinsert)
+            else:
+                node = self._main.first(self._reinsert) or self._small.first(self._promote)
+            if node is not None:
+                return node
+        return None
 
     def _evicted(self, node: _Node, queue: _Queue) -> None:
         if queue is self._small:

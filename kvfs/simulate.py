@@ -3,11 +3,15 @@
 Model. Requests arrive in trace order. A request's hits are the leading run of its blocks that
 are cached when it arrives (a prefix match stops at the first miss); hit tokens are hit blocks
 times ``block_tokens``, at most the request's ``input_length`` (its last block may be partial).
-Then the engine writes the blocks it computed: each missed block, in order, is inserted if the
-policy admits it and its parent is still cached (a block without its prefix is useless), and
-after each insert the policy evicts its best victims until the cache fits. The hits are read
-first: ``access`` on each hit block. Capacity counts blocks, or bytes with ``block_bytes``
-(a block then weighs ``block_bytes`` times its share of ``block_tokens``).
+The hits are read first: ``access`` on each hit block. Then the engine saves the blocks it
+computed, as the kvfs client and daemon do it (so that ``kvfs bench hitrate`` through a real
+mount gets the very same figures): the blocks that are not cached, in chain order, up to the
+first one the policy does not ``admit`` (a block without its prefix is useless); the policy
+then evicts its best victims until the cache has room for all of them, and they are inserted
+in order. (A block cached beyond a miss, possible only with a chain-blind policy, is neither
+written nor read again.) A save larger than the whole cache is refused, all of it.
+Capacity counts blocks, or bytes with ``block_bytes`` (a block then weighs ``block_bytes``
+times its share of ``block_tokens``).
 
 The optimum (``belady``). After each request the cache may keep any of the blocks it held or
 the request brought, up to the capacity. Keep those whose next use is soonest, evicting the
@@ -103,31 +107,39 @@ def simulate(
         for key in ids[:k]:
             pol.access(key, now)
         sizes = _sizes(req, block_tokens, block_bytes)
+        # The save, as the client and the daemon do it: the client writes the blocks that
+        # are not cached and publishes them in one call; the daemon asks the policy to admit
+        # each, makes room for all of them, then caches them in chain order.
+        batch: list[tuple[int, int, int | None]] = []
+        growth = 0
         parent = ids[k - 1] if k else None
         for key, size in zip(ids[k:], sizes[k:], strict=True):
-            if key in cached:  # cached beyond a miss: only chain-blind policies get here
-                pol.access(key, now)
-            elif (parent is not None and parent not in cached) or size > capacity:
-                break
-            elif not pol.admit(key, size, parent=parent, now=now):
-                break
-            else:
-                pol.insert(key, size, parent=parent, now=now)
-                cached[key] = size
-                used += size
-                res.inserted += 1
-                if used > capacity:
-                    offered = pol.victims()
-                    for victim in offered:
-                        used -= cached.pop(victim)
-                        pol.remove(victim)
-                        res.evicted += 1
-                        if used <= capacity:
-                            break
-                    else:
-                        raise RuntimeError(f"{pol.name}: too few victims ({used} > {capacity})")
-                    offered.close()
+            if key in cached:  # beyond a miss (chain-blind policies only): not written again
+                parent = key
+                continue
+            if not pol.admit(key, size, parent=parent, now=now):
+                break  # what follows would lack its prefix
+            batch.append((key, size, parent))
+            growth += size
             parent = key
+        if growth > capacity:
+            batch = []  # the daemon refuses a save that cannot fit (ENOSPC): none of it stays
+        if batch and used + growth > capacity:
+            offered = pol.victims()
+            for victim in offered:
+                used -= cached.pop(victim)
+                pol.remove(victim)
+                res.evicted += 1
+                if used + growth <= capacity:
+                    break
+            else:
+                raise RuntimeError(f"{pol.name}: too few victims ({used + growth} > {capacity})")
+            offered.close()
+        for key, size, up in batch:
+            pol.insert(key, size, parent=up, now=now)
+            cached[key] = size
+            used += size
+            res.inserted += 1
     return res
 
 
