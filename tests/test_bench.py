@@ -35,6 +35,7 @@ def test_bench_hitrate_matches_the_simulator(tmp_path):
         assert row["block_hit"] <= row["optimum_block_hit"]
         assert row["used_bytes"] <= row["capacity_bytes"]
     assert {r["policy"] for r in record["rows"]} == {"lru", "kvfs"}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("kvfs-")]  # cleaned up
 
 
 def test_bench_crossover_restores_identical_tokens(tmp_path):
@@ -49,6 +50,7 @@ def test_bench_crossover_restores_identical_tokens(tmp_path):
     record = json.loads(out.read_text())
     assert record["benchmark"] == "crossover" and record["conditions"]["cores"]
     assert [r["tokens"] for r in record["rows"]] == [40, 200]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("kvfs-")]  # cleaned up
     for r in record["rows"]:
         assert r["identical"] and r["restored_tokens"] == (r["tokens"] - 1) // 16 * 16
         assert r["recompute_ms"] > 0 and r["restore_ms"] > 0

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,8 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
                       f"{res * 1e3:8.1f} ms ({restored} tokens from kvfs), identical",
                       file=sys.stderr, flush=True)
     finally:
-        subprocess.run([*KVFS, "umount", mnt], capture_output=True)
+        if subprocess.run([*KVFS, "umount", mnt], capture_output=True).returncode == 0:
+            shutil.rmtree(base, ignore_errors=True)  # a mount left behind keeps its tree
     cross = next((r["tokens"] for r in rows if r["restore_ms"] < r["recompute_ms"]), None)
     return {"benchmark": "crossover", "model": spec.manifest(), "block_size": block_size,
             "page_cache": "cold" if cold else "warm", "repeats": repeats, "rows": rows,

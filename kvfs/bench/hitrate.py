@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -84,7 +85,8 @@ def replay(requests: list[Request], *, fraction: float, policy: str, workdir: st
         with open(os.path.join(mnt, ".kvfs", "stats.json")) as f:
             stats = json.load(f)
     finally:
-        subprocess.run([*KVFS, "umount", mnt], capture_output=True)
+        if subprocess.run([*KVFS, "umount", mnt], capture_output=True).returncode == 0:
+            shutil.rmtree(base, ignore_errors=True)  # a mount left behind keeps its tree
     if progress:
         print("", file=sys.stderr)
     ns = stats["tenants"]["bench"][spec.namespace]
