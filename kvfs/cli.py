@@ -545,6 +545,9 @@ def cmd_bench_degraded(args: argparse.Namespace) -> int:
                        "bandwidth not negative", EXIT_USAGE)
     if not os.path.isdir(args.dir):
         raise CliError(f"no directory {args.dir}", EXIT_USAGE)
+    if args.condition and "hot" in args.condition and "s3" not in args.condition:
+        raise CliError("--condition hot repeats the s3 condition's requests: add "
+                       "--condition s3", EXIT_USAGE)
     return degraded.main(args)
 
 

