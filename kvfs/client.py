@@ -81,6 +81,8 @@ TIERS_XATTR = "user.kvfs.tiers"
 SAMPLE_EVERY = 8
 #: The soft open-file limit a client raises itself to (within the hard limit).
 FD_LIMIT = 65536
+#: Access records queued for the control thread beyond which a request waits for it.
+MAX_QUEUED_RECORDS = 8
 #: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
 #: below that, a thread hand-off costs more than the read it would take over.
 THREAD_BYTES = 1 << 20
@@ -220,6 +222,12 @@ class KVCache:
         self._tls = threading.local()  # each I/O thread's header and probe buffers
         # A lookup's access record, held back to travel with the load that follows it.
         self._pending: tuple[dict[str, int], list[bytes]] | None = None
+        # Access records on their way to the daemon, sent in order by the control thread.
+        self._outbox: list[tuple[bytes, bytes]] = []
+        self._outbox_cv = threading.Condition()
+        self._sending = False
+        self._stopping = False
+        self._sender: threading.Thread | None = None
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
         self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
         self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
@@ -289,6 +297,12 @@ class KVCache:
             self._saves.put(None)
             self._writer.join()
         self._access(())
+        self._drain()
+        with self._outbox_cv:
+            self._stopping = True
+            self._outbox_cv.notify_all()
+        if self._sender is not None:
+            self._sender.join()
         self._loads.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
@@ -306,8 +320,10 @@ class KVCache:
 
     @property
     def stats(self) -> dict[str, Any]:
-        """Counters of this client; ``fetch_amplification`` = bytes read / bytes of the
-        blocks loaded (1.0: every block read exactly once; None before any load)."""
+        """Counters of this client, once the access records queued before the call are
+        sent; ``fetch_amplification`` = bytes read / bytes of the blocks loaded (1.0: every
+        block read exactly once; None before any load)."""
+        self._drain()
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
         out["fetch_amplification"] = (out["read_bytes"] / out["needed_bytes"]
@@ -320,19 +336,74 @@ class KVCache:
                 self._counters[k] += v
 
     def _control(self, name: bytes, value: bytes) -> None:
+        """One control call: every call to the daemon goes through here."""
         self._count(control_calls=1)
         os.setxattr(self.ns_dir, name, value)
+
+    def _command(self, name: bytes, value: bytes) -> None:
+        """A control call made now, after the access records queued before it (so the
+        daemon sees this client's calls in the order it made them)."""
+        self._drain()
+        self._control(name, value)
 
     def _report(self, name: bytes, value: bytes) -> None:
         """A control call whose failure must not fail the request (accounting, reports)."""
         try:
-            self._control(name, value)
+            self._command(name, value)
         except OSError as exc:
             log.warning("%s on %s failed: %s", name.decode(), self.ns_dir, exc)
 
-    def _access(self, hashes: Sequence[bytes], *, defer: bool = False, **counts: int) -> None:
-        """Send an access record (more only past control.MAX_HASHES hit blocks), with the one
-        held back before it, if any, merged in.
+    # Access records leave the request's path: the daemon's round trip (on a busy host, the
+    # wait for it to be scheduled) is paid by the control thread, while the engine goes on.
+    # Any other control call, :meth:`flush`, :meth:`close` and :attr:`stats` wait for the
+    # records queued before them, so the daemon sees one client's calls in their order.
+
+    def _post(self, values: list[bytes]) -> None:
+        """Queue access records for the control thread (waiting while it is far behind)."""
+        with self._outbox_cv:
+            while len(self._outbox) >= MAX_QUEUED_RECORDS and not self._stopping:
+                self._outbox_cv.wait()
+            stopped = self._stopping
+            if not stopped:
+                self._outbox += [(control.ACCESS, v) for v in values]
+            if self._sender is None:
+                self._sender = threading.Thread(target=self._send_queued, daemon=True,
+                                                name="kvfs-control")
+                self._sender.start()
+            self._outbox_cv.notify_all()
+        for v in values if stopped else ():  # closed: no control thread any more
+            self._report(control.ACCESS, v)
+
+    def _send_queued(self) -> None:
+        while True:
+            with self._outbox_cv:
+                while not self._outbox and not self._stopping:
+                    self._outbox_cv.wait()
+                if not self._outbox:
+                    return
+                name, value = self._outbox.pop(0)
+                self._sending = True
+            try:
+                self._control(name, value)
+            except OSError as exc:
+                log.warning("%s on %s failed: %s", name.decode(), self.ns_dir, exc)
+            except Exception:  # noqa: BLE001 - a lost record is a counting error, never fatal
+                log.exception("%s on %s failed", name.decode(), self.ns_dir)
+            finally:
+                with self._outbox_cv:
+                    self._sending = False
+                    self._outbox_cv.notify_all()
+
+    def _drain(self) -> None:
+        """Wait until every access record queued so far has been sent."""
+        with self._outbox_cv:
+            while self._outbox or self._sending:
+                self._outbox_cv.wait()
+
+    def _access(self, hashes: Sequence[bytes], *, defer: bool = False, now: bool = False,
+                **counts: int) -> None:
+        """Queue an access record (more only past control.MAX_HASHES hit blocks), with the
+        one held back before it, if any, merged in; ``now``: send it before returning.
 
         ``defer`` holds this one back instead (a lookup that found blocks: the load that
         follows sends both in one call); a record already held back then goes alone, so a
@@ -358,10 +429,14 @@ class KVCache:
             return  # nothing to say
         counts.setdefault("lookups", 0)
         m = control.MAX_HASHES
-        self._report(control.ACCESS, control.Access(hashes=tuple(hashes[:m]), **counts).pack())
-        for i in range(m, len(hashes), m):
-            self._report(control.ACCESS,
-                         control.Access(lookups=0, hashes=tuple(hashes[i:i + m])).pack())
+        values = [control.Access(hashes=tuple(hashes[:m]), **counts).pack()]
+        values += [control.Access(lookups=0, hashes=tuple(hashes[i:i + m])).pack()
+                   for i in range(m, len(hashes), m)]
+        if now:
+            for v in values:
+                self._report(control.ACCESS, v)
+        else:
+            self._post(values)
 
     # -- names ---------------------------------------------------------------------------
 
@@ -394,8 +469,8 @@ class KVCache:
         miss, bs = len(hashes) - n, self.spec.block_size
         # A lookup that found blocks holds its record back for the load that follows (one
         # control call per lookup + load); one that found none, or fetched, sends it now.
-        self._access(hashes[:n], defer=n > 0 and not fetched, lookups=1, hit_blocks=n,
-                     miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
+        self._access(hashes[:n], defer=n > 0 and not fetched, now=fetched, lookups=1,
+                     hit_blocks=n, miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
         self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
         return n
 
@@ -511,7 +586,7 @@ class KVCache:
             for k in range(0, len(written), m):
                 batch = written[k:k + m]
                 try:
-                    self._control(control.PUBLISH, control.pack_hashes(batch))
+                    self._command(control.PUBLISH, control.pack_hashes(batch))
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                         raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
@@ -597,10 +672,11 @@ class KVCache:
         self._saves.task_done()
 
     def flush(self) -> None:
-        """Wait until every queued save is written and published; send a held-back access
-        record."""
+        """Wait until every queued save is written and published, and every access record
+        (a held-back one included) is sent."""
         self._saves.join()
         self._access(())
+        self._drain()
 
     # -- load ----------------------------------------------------------------------------
 

@@ -163,6 +163,7 @@ def test_held_back_lookup_records_are_not_lost(mount, tenant):
         assert c.lookup(hashes) == 3  # held back
         assert ns_stats(mount)["lookups"] == 0
         assert c.lookup(hashes[:1]) == 1  # sends the first, holds back its own
+        c.stats  # noqa: B018 - reading them waits for the records queued so far
         assert (ns_stats(mount)["lookups"], ns_stats(mount)["hit_blocks"]) == (1, 3)
     assert (ns_stats(mount)["lookups"], ns_stats(mount)["hit_blocks"]) == (2, 4)
 
@@ -205,8 +206,8 @@ def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify):
         assert spec.block_payload_bytes % 4096  # padded: the probe covers padding + 1 byte
         damages = (("longer", lambda p, n: open(p, "ab").write(b"\0")),
                    ("padding cut", lambda p, n: os.truncate(p, n - 1)),
-                   ("payload cut", lambda p, n: os.truncate(
-                       p, 4096 + spec.block_payload_bytes // 2)))
+                   ("payload cut", lambda p, n, s=spec: os.truncate(
+                       p, 4096 + s.block_payload_bytes // 2)))
         with KVCache.open(mount.mnt, tenant=tenant, spec=spec, verify=verify) as c:
             for k, (what, damage) in enumerate(damages):
                 hashes = c.block_hashes(list(range(3 * spec.block_size)), extra=f"{what}")
@@ -396,6 +397,7 @@ def test_mount_stats_show_the_client(mount, cache):
     cache.save(hashes[:3], kv_of(hashes[:3]))
     assert cache.lookup(hashes) == 3
     assert cache.load(hashes[:3], empty(3)) == 3
+    cache.flush()  # access records travel on the client's control thread: wait for them
     c = ns_stats(mount)
     assert c["published_blocks"] == 3
     assert c["published_bytes"] == 3 * blockfile.HEADER_SIZE * 2
