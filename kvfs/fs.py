@@ -1275,7 +1275,18 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EEXIST)
         old_path = self._path(node)
         new_path = self._join(self._path(new_parent), name_new)
-        await self._io(self.store.rename, old_path, new_path, flags)
+        # A pinned file's new directory is marked as holding pins first (store.mark_pins).
+        marks = [self._path(new_parent)] if node.is_reg and node.pinned else []
+        if flags & pyfuse3.RENAME_EXCHANGE and target is not None and target.is_reg and (
+                target.pinned):
+            marks.append(self._path(self.index.get(parent_old)))
+
+        def move() -> None:
+            for rel in marks:
+                self.store.mark_pins(rel)
+            self.store.rename(old_path, new_path, flags)
+
+        await self._io(move)
         self._audit(ctx.uid, ctx.pid, node, "rename", path=old_path,
                     to=new_path.decode(errors="replace"))
         # Re-read everything: other requests may have run during the await.

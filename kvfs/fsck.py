@@ -15,11 +15,13 @@ Run by `kvfs fsck BACKING_DIR` on an unmounted backing directory, and by the mou
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import stat
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import blockfile, hashing
@@ -38,10 +40,11 @@ class Changes:
     examples: list[str] = field(default_factory=list)
     keep = 100
 
-    def add(self, path: str) -> None:
+    def add(self, path: str | bytes) -> None:
         self.count += 1
         if len(self.examples) < self.keep:
-            self.examples.append(path)
+            self.examples.append(path if isinstance(path, str) else
+                                 path.decode(errors="replace"))
 
 
 @dataclass
@@ -77,6 +80,11 @@ class FsckReport:
 
 Progress = Callable[[int], None]
 
+#: A thread reads the next directories (listing, lstat) while one is indexed, so that a
+#: cold walk waits less on the disk; more threads only contend for the interpreter.
+SCAN_THREADS = 1
+SCAN_AHEAD = 8
+
 
 class Reconciler:
     def __init__(self, index: Index, store: BackingStore, *, verify: bool,
@@ -99,6 +107,8 @@ class Reconciler:
     def check_block(self, rel: bytes, name: bytes) -> tuple[bytes, bytes] | None | bool:
         """(hash, parent) for a good kvfs-native block; None for a file that is not named as
         one; False for a bad block (quarantined)."""
+        if not name.endswith(b".kv"):
+            return None  # cheap first: most names of a big foreign tree are not blocks
         block_hash = hashing.parse_block_filename(name.decode(errors="replace"))
         if block_hash is None:
             return None
@@ -129,7 +139,7 @@ class Reconciler:
         self.report.dropped.add(self._show(rel))
 
     def add(self, parent: Node, name: bytes, rel: bytes, st: os.stat_result,
-            batch: list[tuple] | None = None) -> Node | None:
+            batch: list[tuple] | None = None, pins: bool = True) -> Node | None:
         """Index a new entry. Files and symlinks go into `batch` (inserted with one statement
         per directory); a directory is inserted at once (its children need its inode)."""
         target = None
@@ -144,13 +154,13 @@ class Reconciler:
         tenant = parent.tenant if parent.inode != ROOT_INODE else 0
         ns = parent.ns if parent.inode != parent.tenant else 0
         if batch is not None and not stat.S_ISDIR(st.st_mode):
-            pinned = stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel)
+            pinned = pins and stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel)
             size = len(target) if target is not None else st.st_size
             batch.append((parent.inode, name, st.st_mode, st.st_uid, st.st_gid, size,
                           st.st_mtime_ns, st.st_mtime_ns, target, tenant, ns,
                           block[0] if block else None, block[1] if block else None,
                           int(pinned)))
-            self.report.added.add(self._show(rel))
+            self.report.added.add(rel)
             return None
         node = self.index.insert(
             parent=parent.inode, name=name, mode=st.st_mode, uid=st.st_uid, gid=st.st_gid,
@@ -165,50 +175,74 @@ class Reconciler:
         self.report.added.add(self._show(rel))
         return node
 
+    def scan(self, drel: bytes) -> tuple[list[tuple[bytes, os.stat_result]], bool]:
+        """Thread: a directory's entries with their lstat, and whether it holds pins. An
+        entry that vanishes meanwhile is left out (the next fsck sees the tree as it is)."""
+        out = []
+        with os.scandir(self.store.path(drel)) as it:  # bytes path: bytes names
+            for entry in it:
+                try:
+                    out.append((entry.name, entry.stat(follow_symlinks=False)))
+                except FileNotFoundError:
+                    continue
+        return out, self.store.has_pins(drel)  # no pins: no file here is asked for its pin
+
     def walk(self) -> None:
         root = ensure_root(self.index, os.lstat(self.store.root))
         stack: list[tuple[Node, bytes]] = [(root, b"")]
-        while stack:
-            dnode, drel = stack.pop()
-            known = self.index.child_names(dnode.inode)
-            with os.scandir(self.store.path(drel)) as it:
-                entries = list(it)
-            batch: list[tuple] = []
-            for entry in entries:
-                name = os.fsencode(entry.name)
-                if dnode.inode == ROOT_INODE and name == STATE_DIR:
+        # The next directories' listings and stats are read by threads while this one is
+        # indexed: the walk costs about the syscalls or the indexing, not their sum.
+        with ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="fsck-scan") as pool:
+            scans: dict[bytes, Future] = {}
+            while stack:
+                dnode, drel = stack.pop()
+                pending = scans.pop(drel, None) or pool.submit(self.scan, drel)
+                for _, ahead in stack[-SCAN_AHEAD:]:
+                    if ahead not in scans:
+                        scans[ahead] = pool.submit(self.scan, ahead)
+                self.walk_dir(dnode, drel, *pending.result(), stack)
+
+    def walk_dir(self, dnode: Node, drel: bytes, entries: list[tuple[bytes, os.stat_result]],
+                 pins: bool, stack: list[tuple[Node, bytes]]) -> None:
+        """Reconcile one directory's entries; push its subdirectories onto `stack`."""
+        known = self.index.child_names(dnode.inode)
+        batch: list[tuple] = []
+        for name, st in entries:
+            if dnode.inode == ROOT_INODE and name == STATE_DIR:
+                continue
+            rel = drel + b"/" + name if drel else name
+            self.report.entries += 1
+            if self.progress is not None and self.report.entries % 10000 == 0:
+                self.progress(self.report.entries)
+            if name.startswith(TEMP_PREFIX):
+                try:
+                    os.unlink(self.store.path(rel))
+                except FileNotFoundError:
+                    pass
+                self.report.removed_temp.add(self._show(rel))
+                continue
+            inode = known.pop(name, None)
+            node = self.index.find(inode) if inode is not None else None
+            if node is not None and stat.S_IFMT(node.mode) != stat.S_IFMT(st.st_mode):
+                self.drop_subtree(node, rel)
+                node = None
+            if node is None:
+                if dnode.inode == ROOT_INODE and not stat.S_ISDIR(st.st_mode):
+                    log.warning("ignoring %s: only tenant directories live at the top",
+                                self._show(rel))
                     continue
-                rel = drel + b"/" + name if drel else name
-                self.report.entries += 1
-                if self.progress is not None and self.report.entries % 10000 == 0:
-                    self.progress(self.report.entries)
-                if name.startswith(TEMP_PREFIX):
-                    os.unlink(entry.path)
-                    self.report.removed_temp.add(self._show(rel))
-                    continue
-                st = entry.stat(follow_symlinks=False)
-                inode = known.pop(name, None)
-                node = self.index.find(inode) if inode is not None else None
-                if node is not None and stat.S_IFMT(node.mode) != stat.S_IFMT(st.st_mode):
-                    self.drop_subtree(node, rel)
-                    node = None
+                node = self.add(dnode, name, rel, st, batch, pins)
                 if node is None:
-                    if dnode.inode == ROOT_INODE and not stat.S_ISDIR(st.st_mode):
-                        log.warning("ignoring %s: only tenant directories live at the top",
-                                    self._show(rel))
-                        continue
-                    node = self.add(dnode, name, rel, st, batch)
-                    if node is None:
-                        continue
-                elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
-                    self.refresh(node, rel, st)
-                if stat.S_ISDIR(st.st_mode):
-                    stack.append((node, rel))
-            self.index.insert_many(batch)
-            for name, inode in known.items():
-                node = self.index.find(inode)
-                if node is not None and not node.tier:  # lower-tier blocks have no local file
-                    self.drop_subtree(node, drel + b"/" + name if drel else name)
+                    continue
+            elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
+                self.refresh(node, rel, st)
+            if stat.S_ISDIR(st.st_mode):
+                stack.append((node, rel))
+        self.index.insert_many(batch)
+        for name, inode in known.items():
+            node = self.index.find(inode)
+            if node is not None and not node.tier:  # lower-tier blocks have no local file
+                self.drop_subtree(node, drel + b"/" + name if drel else name)
 
     def refresh(self, node: Node, rel: bytes, st: os.stat_result) -> None:
         block = self.check_block(rel, node.name)
@@ -251,7 +285,8 @@ def reconcile(index: Index, store: BackingStore, *, verify: bool = False,
     """Bring the index in line with the backing tree; return what changed."""
     start = time.monotonic()
     r = Reconciler(index, store, verify=verify, progress=progress)
-    with index.transaction():
+    bulk = contextlib.nullcontext() if index.has_entries() else index.bulk_load()
+    with bulk, index.transaction():
         r.report.orphans = index.purge_orphans()
         r.remove_partial()
         r.walk()

@@ -43,6 +43,9 @@ def renameat2(old: bytes, new: bytes, flags: int) -> None:
         raise OSError(err, os.strerror(err), old)
 
 
+#: On a backing directory: some file in it is (or was) pinned.
+PINS_MARK = b"trusted.kvfs.pins"
+
 class BackingStore:
     """Blocking operations on the backing directory."""
 
@@ -173,6 +176,7 @@ class BackingStore:
 
     def set_pin(self, rel: bytes, pinned: bool) -> None:
         if pinned:
+            self.mark_pins(rel.rpartition(b"/")[0])
             os.setxattr(self.path(rel), b"trusted.kvfs.pin", b"1")
         else:
             try:
@@ -180,6 +184,18 @@ class BackingStore:
             except OSError as exc:
                 if exc.errno != errno.ENODATA:
                     raise
+
+    def mark_pins(self, dir_rel: bytes) -> None:
+        """Mark a directory as one that holds (or held) pinned files: fsck asks a file for
+        its pin only in such directories, not a million times."""
+        os.setxattr(self.path(dir_rel), PINS_MARK, b"1", follow_symlinks=False)
+
+    def has_pins(self, dir_rel: bytes) -> bool:
+        try:
+            os.getxattr(self.path(dir_rel), PINS_MARK, follow_symlinks=False)
+        except OSError:
+            return False
+        return True
 
     def is_pinned(self, rel: bytes) -> bool:
         try:

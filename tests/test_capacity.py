@@ -85,11 +85,17 @@ def test_pinned_and_open_files_are_never_evicted(small):
 def test_pins_survive_remount_and_fsck(small):
     ns = small.mnt / "t" / "ns"
     write(ns / "p", 10 * K)
-    kvfs("pin", str(ns / "p"))
+    write(ns / "q", 10 * K)
+    kvfs("pin", str(ns / "p"), str(ns / "q"))
+    (ns / "sub").mkdir()
+    os.rename(ns / "q", ns / "sub" / "q")  # a pin travels with its file
+    write(ns / "sub" / "plain", 10 * K)
     small.stop()
     (small.backing / ".kvfs" / "index.db").unlink()  # rebuild the index from the tree
     small.start()
     assert os.getxattr(ns / "p", "user.kvfs.pin") == b"1"
+    assert os.getxattr(ns / "sub" / "q", "user.kvfs.pin") == b"1"
+    assert "user.kvfs.pin" not in os.listxattr(ns / "sub" / "plain")
 
 
 def test_quota_evicts_own_files_then_edquot(mount_factory):
