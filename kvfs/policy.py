@@ -27,6 +27,8 @@ aside until its last child goes; it then rejoins the old end, in order, as the n
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from array import array
+from bisect import bisect_left
 from collections.abc import Callable, Hashable, Iterator
 
 Key = Hashable
@@ -203,6 +205,7 @@ class ChainPolicy(Policy):
         self._waiting: dict[Key, list[_Node]] = {}  # parent key -> children inserted before it
         self._queues: tuple[_Queue, ...] = ()
         self._clock = 0
+        self._sizes: dict[int, int] = {}
         self.bytes = 0  # total size of the entries
 
     # -- what a subclass provides ---------------------------------------------------------
@@ -238,6 +241,8 @@ class ChainPolicy(Policy):
         if key in self._nodes:
             self.access(key, now)
             return
+        # Sizes repeat (a namespace's blocks are all one size): share the int objects.
+        size = self._sizes.setdefault(size, size) if len(self._sizes) < 256 else size
         node = self._nodes[key] = _Node(key, size)
         self.bytes += size
         if self.chain_aware:
@@ -347,32 +352,45 @@ class ChainLRU(LRU):
 
 
 class _Ghosts:
-    """Keys of recent evictions, about the last ``limit`` of them (2/3 to 4/3 of it).
+    """Keys of recent evictions, about the last ``limit`` of them (1 to 5/4 of it).
 
-    Two generations of sets rather than one ordered FIFO: less memory, same use.
+    Generations rather than one ordered FIFO, and 64-bit fingerprints (``hash``) rather than
+    the keys, which would otherwise stay alive: the newest generation is a set of up to a
+    quarter of ``limit``, the four before it sorted arrays, 8 bytes a ghost (each with a set
+    of the ghosts it has given back). A fingerprint shared by two keys (odds about n^2/2^64)
+    would merely count one block's eviction for the other.
     """
 
     __slots__ = ("new", "old")
 
+    GENERATIONS = 4  # older ones, besides the newest
+
     def __init__(self) -> None:
-        self.new: set[Key] = set()
-        self.old: set[Key] = set()
+        self.new: set[int] = set()
+        self.old: list[tuple[array, set[int]]] = []  # newest first
 
     def add(self, key: Key, limit: int) -> None:
-        self.new.add(key)
-        if 3 * len(self.new) >= 2 * limit:
-            self.old, self.new = self.new, set()
+        self.new.add(hash(key))
+        if self.GENERATIONS * len(self.new) >= limit:
+            self.old.insert(0, (array("q", sorted(self.new)), set()))
+            del self.old[self.GENERATIONS:]
+            self.new = set()
 
     def pop(self, key: Key) -> bool:
         """Whether ``key`` was remembered; it is forgotten."""
-        for gen in (self.new, self.old):
-            if key in gen:
-                gen.discard(key)
+        fp = hash(key)
+        if fp in self.new:
+            self.new.discard(fp)
+            return True
+        for fps, gone in self.old:
+            i = bisect_left(fps, fp)
+            if i < len(fps) and fps[i] == fp and fp not in gone:
+                gone.add(fp)
                 return True
         return False
 
     def __len__(self) -> int:
-        return len(self.new) + len(self.old)
+        return len(self.new) + sum(len(fps) - len(gone) for fps, gone in self.old)
 
 
 class S3FIFO(ChainPolicy):
