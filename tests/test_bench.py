@@ -64,16 +64,17 @@ def test_bench_hitrate_against_concurrency(tmp_path):
     out = tmp_path / "hitrate.json"
     res = kvfs("bench", "hitrate", "--trace", "agentic", "--set", "sessions=8",
                "--set", "turns=3", "--seed", "6", "--concurrency", "1", "--concurrency", "8",
-               "--capacity-fraction", "0.6", "--policy", "kvfs", "--dir", str(tmp_path),
-               "--json", str(out))
+               "--capacity-fraction", "0.6", "--policy", "kvfs", "--policy", "lru",
+               "--dir", str(tmp_path), "--json", str(out))
     assert "sessions at once" in res.stdout
     record = json.loads(out.read_text())
     assert record["concurrency_axis"] == [1, 8]
     rows = record["rows"]
-    assert [r["concurrency"] for r in rows] == [1, 8]
+    assert [(r["concurrency"], r["policy"]) for r in rows] == [
+        (1, "kvfs"), (1, "lru"), (8, "kvfs"), (8, "lru")]
     # The same turns and the same capacity at every concurrency; only the interleaving moves.
     assert len({(r["requests"], r["distinct_blocks"], r["capacity_blocks"]) for r in rows}) == 1
-    assert rows[0]["measured_concurrency"] == 1 and rows[1]["measured_concurrency"] > 1
+    assert rows[0]["measured_concurrency"] == 1 and rows[2]["measured_concurrency"] > 1
     for r in rows:
         assert r["block_hit"] == r["simulated_block_hit"] <= r["optimum_block_hit"]
 
