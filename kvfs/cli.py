@@ -702,8 +702,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "raw preadv, fio, torch.load; control overhead")
     br.add_argument("--sizes", default="1,4,16,64", help="block sizes in MiB (1,4,16,64)")
     br.add_argument("--threads", default="1,2,4", help="I/O thread counts (1,2,4)")
-    br.add_argument("--total-mib", type=int, default=512, dest="total_mib",
-                    help="KV per block size, MiB (512)")
+    br.add_argument("--total-mib", type=int, default=256, dest="total_mib",
+                    help="KV per block size, MiB (256)")
     br.add_argument("--request-mib", type=int, default=64, dest="request_mib",
                     help="KV restored per request, MiB: the latency unit (64)")
     br.add_argument("--repeats", type=int, default=3, help="runs per figure; median (3)")

@@ -5,7 +5,9 @@ mount. Bulk bytes go straight to the namespace's backing directory (which the da
 in the ``user.kvfs.backing`` xattr): `preadv` / kvikio reads into the caller's tensors, and
 temporary files written with `pwritev` and renamed into place. The daemon hears about it in
 a constant number of control calls per request (``user.kvfs.publish``, ``access``,
-``corrupt``; see :mod:`kvfs.control`), never one per block. Where the backing directory is
+``corrupt``; see :mod:`kvfs.control`), never one per block: one per save, one per lookup +
+load (the lookup's access record rides with the load's), sent by a control thread of the
+client so that the request does not wait for the daemon. Where the backing directory is
 not accessible to this process, the same reads and writes go through the mount (slower; the
 daemon completes blocks renamed into place there itself).
 
