@@ -58,6 +58,7 @@ def use_this_checkout() -> None:
 
 
 use_this_checkout()
+from kvfs.bench import common  # noqa: E402
 from kvfs.bench.common import cpu_model, filesystem_of, memory_gib  # noqa: E402
 from kvfs.bench.common import read_text as _read  # noqa: E402
 
@@ -791,50 +792,13 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def print_table(rows: list[Row]) -> None:
+def table_text(rows: list[Row]) -> str:
     head = ("figure", "kvfs", "baseline", "ratio", "target", "")
     body = [(r.figure, _fmt(r.kvfs, r.unit), _fmt(r.baseline, r.unit), f"{r.ratio:.2f}x",
              r.target, "" if r.ok is None else ("ok" if r.ok else "MISSED")) for r in rows]
     widths = [max(len(x[i]) for x in [head, *body]) for i in range(len(head))]
-    print()
-    for line in [head, *body]:
-        print("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip())
-    print()
-
-
-def markdown_table(rows: list[Row]) -> str:
-    lines = ["| figure | kvfs | baseline | ratio | target |", "|---|---|---|---|---|"]
-    for r in rows:
-        verdict = "" if r.ok is None else (" ok" if r.ok else " **missed**")
-        lines.append(f"| {r.figure} | {_fmt(r.kvfs, r.unit)} | {_fmt(r.baseline, r.unit)} "
-                     f"({r.baseline_name}) | {r.ratio:.2f}x | {r.target}{verdict} |")
-    return "\n".join(lines)
-
-
-def plot(rows: list[Row], path: str, title: str) -> bool:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(10, 0.35 * len(rows) + 1.5))
-    ys = list(range(len(rows)))[::-1]
-    colors = ["tab:gray" if r.ok is None else ("tab:green" if r.ok else "tab:red") for r in rows]
-    ax.barh(ys, [r.ratio for r in rows], color=colors)
-    ax.set_yticks(ys, [r.figure for r in rows], fontsize=7)
-    ax.axvline(1.0, color="black", linewidth=0.8)
-    ax.set_xscale("log")
-    ax.set_xlabel("kvfs / baseline (same run, same machine)")
-    ax.set_title(title, fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
-
-
-# -- main ------------------------------------------------------------------------------------
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+                     for line in [head, *body])
 
 
 def default_dir() -> str:
@@ -871,8 +835,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-meta", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
     p.add_argument("--no-fio", action="store_true", help="skip the fio physical-limit line")
-    p.add_argument("--json", metavar="OUT", help="write all figures and conditions here "
-                   "(and OUT with .png, if matplotlib is installed)")
+    common.add_output_args(p)  # --out DIR / --json FILE: the record (mount.json, mount.png)
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p
 
@@ -926,7 +889,7 @@ def main(argv: list[str] | None = None) -> int:
             "the figures will be noisy")
     if not cold:
         log("not root: cold not measured (cold-cache figures need root to drop the caches)")
-    params = {k: v for k, v in vars(args).items() if k not in ("json", "keep", "dir")}
+    params = {k: v for k, v in vars(args).items() if k not in ("json", "out", "keep", "dir")}
     results: dict[str, Any] = {}
     try:
         if not args.skip_throughput:
@@ -948,23 +911,13 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(work, ignore_errors=True)
     cond["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
     rows = build_rows(results, args)
-    print(f"kvfs mount benchmark: {conditions_line(cond)}")
-    print_table(rows)
+    text = f"kvfs mount benchmark: {conditions_line(cond)}\n\n{table_text(rows)}"
     missed = [r.figure for r in rows if r.ok is False]
     if missed:
-        print("targets missed: " + "; ".join(missed))
-    if args.json:
-        doc = {"conditions": cond, "conditions_line": conditions_line(cond), "params": params,
-               "results": results, "table": [asdict(r) for r in rows],
-               "markdown": markdown_table(rows)}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2, sort_keys=True)
-        png = os.path.splitext(args.json)[0] + ".png"
-        if plot(rows, png, conditions_line(cond)):
-            log(f"wrote {args.json} and {png}")
-        else:
-            log(f"wrote {args.json} (matplotlib not installed: no picture)")
-    return 0
+        text += "\n\ntargets missed: " + "; ".join(missed)
+    record = {"benchmark": "mount", "conditions": cond, "conditions_line": conditions_line(cond),
+              "params": params, "rows": [asdict(r) for r in rows], "results": results}
+    return common.finish(record, args, text)
 
 
 if __name__ == "__main__":
