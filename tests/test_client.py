@@ -195,12 +195,14 @@ BIG = kvfs.ModelSpec(model="org/big", revision="r1", kv_dtype="bfloat16", block_
                      num_layers=4, num_kv_heads=4, head_dim=1030)
 
 
+@pytest.mark.parametrize("reader", ["host", "transport"])
 @pytest.mark.parametrize("verify", ["full", "sampled"])
-def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify):
+def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
     """The loader reads no fstat: a probe past the padding tells the file's length. A block
     one byte too long, one missing a byte of padding, or one cut in its payload is a miss
     whether or not its checksum is sampled, nothing of it stays in `out`, and the daemon
-    quarantines it."""
+    quarantines it. "transport" is the path CUDA destinations take (through the transport,
+    with an fstat), run here with host tensors: the same verdicts."""
     quarantined = 0
     for spec in (SPEC, BIG):
         assert spec.block_payload_bytes % 4096  # padded: the probe covers padding + 1 byte
@@ -217,7 +219,11 @@ def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify):
                 path = c.path(hashes[1])
                 damage(path, os.path.getsize(path))
                 out = torch.full_like(kv, 7.0)
-                assert c.load(hashes, out) == 1, what
+                if reader == "host":
+                    assert c.load(hashes, out) == 1, what
+                else:
+                    blocks = c._blocks(out, 3, "out")
+                    assert c._load(hashes, lambda i, b=blocks: [b[i].reshape(-1)]) == 1, what
                 assert torch.equal(out[0], kv[0])
                 assert torch.count_nonzero(out[1]) == 0, what  # nothing of it left in out
                 # Past the miss: unread, or read in parallel and sound (never returned).
