@@ -777,7 +777,8 @@ def build_parser() -> argparse.ArgumentParser:
     bd.add_argument("--slow-mbps", type=float, default=50.0, dest="slow_mbps",
                     help="the slow store's pace per connection, MB/s (50; 0: unpaced)")
     bd.add_argument("--condition", action="append", choices=(
-        "miss", "cold-dir", "s3", "s3-slow", "dead-silent", "dead-refused", "hot"),
+        "miss", "cold-dir", "cold-dir-uncached", "s3", "s3-slow", "dead-silent",
+        "dead-refused", "hot"),
         help="run only these (repeatable; default all; 'hot' needs 's3')")
     bd.add_argument("--seed", type=int, default=0)
     bd.add_argument("--dir", default=".", help="where to put the mounts (default: here)")

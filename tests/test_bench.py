@@ -165,7 +165,7 @@ def test_bench_degraded_dead_tiers_cost_one_deadline(tmp_path):
     rows = {r["condition"]: r for r in record["rows"]}
     from kvfs.bench.degraded import weed_binary
 
-    expected = {"miss", "cold-dir", "dead-silent", "dead-refused"}
+    expected = {"miss", "cold-dir", "cold-dir-uncached", "dead-silent", "dead-refused"}
     if weed_binary():
         expected |= {"s3", "s3-slow", "hot"}
     else:

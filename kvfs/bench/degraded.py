@@ -9,6 +9,8 @@ tier lacks the blocks:
 - ``miss``: no lower tier. The plain miss, the baseline: the engine then recomputes.
 - ``cold-dir``: the blocks in a ``dir://`` tier on the same disk as the hot tier (page cache
   warm): a healthy directory tier, for reference.
+- ``cold-dir-uncached``: the same, after each of its files was synced and its pages dropped
+  from the page cache (``POSIX_FADV_DONTNEED``): the fetches read the disk.
 - ``s3``: the blocks in a real S3 server (SeaweedFS ``weed mini`` on loopback, started here).
 - ``s3-slow``: the same server behind a loopback TCP proxy that holds each response's first
   byte ``latency`` and paces the bytes to ``bandwidth`` per connection.
@@ -60,6 +62,7 @@ PAID = 0.9
 CONDITIONS = {
     "miss": "no lower tier: the plain miss (then a recompute)",
     "cold-dir": "blocks in a dir:// tier on the hot tier's disk, page cache warm",
+    "cold-dir-uncached": "the same dir:// tier, its files' pages dropped first: disk reads",
     "s3": "blocks in a local S3 server (SeaweedFS on loopback)",
     "s3-slow": "the S3 server behind a proxy: a delay before each response, bytes paced",
     "dead-silent": "an S3 endpoint that accepts connections and never answers",
@@ -331,6 +334,22 @@ def _tracebacks(base: str, name: str) -> int:
         return 0
 
 
+def _drop_pages(root: str) -> int:
+    """Sync each file below `root` and drop its pages from the page cache (this tree only, no
+    global drop_caches); returns the files done."""
+    n = 0
+    for d, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(os.path.join(d, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                n += 1
+            finally:
+                os.close(fd)
+    return n
+
+
 def _requests(mnt: str, spec: Any, chains: list[list[bytes]], interval: float
               ) -> list[tuple[float, int]]:
     """Lookup + load of each chain, as an engine does: (seconds, blocks loaded) each."""
@@ -400,7 +419,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
     from ..client import KVCache  # noqa: PLC0415
     from ..tinylm import TinyLM  # noqa: PLC0415
 
-    wanted = list(only or CONDITIONS)
+    wanted = list(dict.fromkeys(only or CONDITIONS))  # in order, once each
     spec = TinyLM(seed=0).spec(block_size)
     blocks = tokens // block_size
     base = tempfile.mkdtemp(prefix="kvfs-degraded-", dir=workdir)
@@ -473,7 +492,9 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                 continue
             if name == "miss":
                 extra: list[str] = []
-            elif name == "cold-dir":
+            elif name in ("cold-dir", "cold-dir-uncached"):
+                if name == "cold-dir-uncached":
+                    _drop_pages(cold)
                 extra = ["--cold", f"dir://{cold}", *tier_opts]
             elif name in ("s3", "s3-slow"):
                 assert server is not None
