@@ -205,7 +205,8 @@ class Reconciler:
     def walk_dir(self, dnode: Node, drel: bytes, entries: list[tuple[bytes, os.stat_result]],
                  pins: bool, stack: list[tuple[Node, bytes]]) -> None:
         """Reconcile one directory's entries; push its subdirectories onto `stack`."""
-        known = self.index.child_names(dnode.inode)
+        # What the index has here, whole rows in one query (not one query per entry).
+        known = {n.name: n for n in self.index.children(dnode.inode, limit=1 << 62)}
         batch: list[tuple] = []
         for name, st in entries:
             if dnode.inode == ROOT_INODE and name == STATE_DIR:
@@ -221,8 +222,7 @@ class Reconciler:
                     pass
                 self.report.removed_temp.add(self._show(rel))
                 continue
-            inode = known.pop(name, None)
-            node = self.index.find(inode) if inode is not None else None
+            node = known.pop(name, None)
             if node is not None and stat.S_IFMT(node.mode) != stat.S_IFMT(st.st_mode):
                 self.drop_subtree(node, rel)
                 node = None
@@ -239,9 +239,8 @@ class Reconciler:
             if stat.S_ISDIR(st.st_mode):
                 stack.append((node, rel))
         self.index.insert_many(batch)
-        for name, inode in known.items():
-            node = self.index.find(inode)
-            if node is not None and not node.tier:  # lower-tier blocks have no local file
+        for name, node in known.items():
+            if not node.tier:  # lower-tier blocks have no local file
                 self.drop_subtree(node, drel + b"/" + name if drel else name)
 
     def refresh(self, node: Node, rel: bytes, st: os.stat_result) -> None:
