@@ -124,18 +124,17 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
     """
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        payload = sum(v.nbytes for v in views)
+        payload = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
         if not want_checksum or payload <= HASH_PIECE:
             # Transfers go on until header and payload are full (or the file ends); the
             # probe takes what the last one brings. So a sound file costs one preadv, where
             # reading to the end of the file would cost a second one that returns 0.
-            need, n, bufs = header.nbytes + payload, 0, [header, *views, probe]
-            while n < need:
-                got = os.preadv(fd, bufs, n)
-                if not got:
-                    break
-                n += got
+            need, bufs = header.nbytes + payload, [header, *views, probe]
+            n = got = os.preadv(fd, bufs, 0)
+            while got and n < need:  # a short transfer: go on from where it stopped
                 bufs = _advance(bufs, got)
+                got = os.preadv(fd, bufs, n)
+                n += got
             if not want_checksum or n < need:
                 return n, None
             return n, xxhash.xxh3_64_intdigest(views[0]) if len(views) == 1 else checksum(views)

@@ -526,3 +526,30 @@ def test_vectored_io_survives_short_transfers(tmp_path, monkeypatch):
         os.close(fd)
     assert transport.checksum(data) == blockfile.payload_checksum(b"".join(data))
     assert control.MAX_HASHES > 64
+
+
+@pytest.mark.parametrize("payload", [1000, 3 * transport.HASH_PIECE + 5])
+def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
+    """read_file (header, payload and probe of one block) carries on after short preadv
+    transfers, and its byte count still tells the file's length, small or hashed in pieces."""
+    data = os.urandom(4096 + payload)
+    pad = -payload % 4096
+    path = tmp_path / "b"
+    real_preadv = os.preadv
+    # Short transfers that stop inside a buffer (as a signal may stop one): the payload's
+    # end is never a transfer's end here, so the probe's count is exact (see read_file).
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real_preadv(
+        fd, [bufs[0][:777]] if bufs[0].nbytes > 777 else bufs, off))
+    for tail, size in ((bytes(pad), 4096 + payload + pad), (bytes(pad + 1), None),
+                       (b"", 4096 + payload)):
+        path.write_bytes(data + tail)
+        header = memoryview(bytearray(4096))
+        body = memoryview(bytearray(payload))
+        probe = memoryview(bytearray(pad + 1))
+        n, csum = transport.read_file(str(path), header, [body], probe, True)
+        assert bytes(header) + bytes(body) == data
+        assert csum == blockfile.payload_checksum(data[4096:])
+        if size is not None:
+            assert n == size  # the right length, or short of the padding
+        else:
+            assert n == 4096 + payload + pad + 1  # longer: the probe is full
