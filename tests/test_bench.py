@@ -218,6 +218,7 @@ def test_bench_restore_measures_every_path(tmp_path):
     assert ctl["blocks"] == 64 and ctl["requests"] == 5
     assert ctl["control_calls_per_request"] == 1  # the lookup's record rides with the load's
     assert ctl["amplification"] == 1.0 and ctl["request_ms"] > 0
+    assert ctl["client_cpu_ms"] > 0 and ctl["raw_cpu_ms"] > 0  # CPU beside the wall times
     assert {v["target"].split(" (")[0] for v in record["verdicts"]} >= {
         "direct load >= 0.9x raw preadv", "fetch amplification 1.00x"}
     bad = kvfs("bench", "restore", "--sizes", "0", "--dir", str(tmp_path), check=False)
