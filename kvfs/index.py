@@ -38,6 +38,11 @@ class NoSuchNode(LookupError):
     """The index has no node with that inode or name."""
 
 
+#: A named regular file of the hot tier, as SQL (literals: partial indexes need them).
+_HOT_FILE = (f"(mode & {0o170000}) = {stat.S_IFREG} AND parent != {ORPHAN_PARENT} "
+             "AND tier = 0")
+
+
 def create_tables(db: sqlite3.Connection) -> None:
     """Create the schema. Every column is explained beside it."""
     db.executescript(
@@ -100,6 +105,9 @@ def create_tables(db: sqlite3.Connection) -> None:
         -- A tenant's files in access order: the files whose eviction state is not held in
         -- memory are evicted from here, oldest first; retention scans the same order.
         CREATE INDEX IF NOT EXISTS nodes_by_atime ON nodes (tenant, atime_ns);
+        -- Usage per namespace (hot, named regular files), read at every mount: scanning
+        -- this covering index takes a twentieth of a table scan.
+        CREATE INDEX IF NOT EXISTS nodes_usage ON nodes (tenant, ns, size) WHERE {_HOT_FILE};
         CREATE TABLE IF NOT EXISTS meta (
             key   TEXT PRIMARY KEY,
             value TEXT NOT NULL
@@ -158,7 +166,9 @@ class Index:
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.execute("PRAGMA cache_size=-65536")  # 64 MiB page cache, bounded
+        # A 16 MiB page cache, bounded: a million-file index is ~110 MiB on disk, and what
+        # this cache misses the kernel's page cache mostly holds.
+        self.db.execute("PRAGMA cache_size=-16384")
         self.db.execute("PRAGMA temp_store=MEMORY")
         create_tables(self.db)
         if self.get_meta("schema_version") is None:
@@ -188,7 +198,7 @@ class Index:
         self.db.execute("COMMIT")
 
     #: Indexes a bulk load goes without, and rebuilds once at its end.
-    SECONDARY = ("nodes_by_parent", "nodes_by_block", "nodes_by_atime")
+    SECONDARY = ("nodes_by_parent", "nodes_by_block", "nodes_by_atime", "nodes_usage")
 
     def has_entries(self) -> bool:
         """Whether anything but the root is indexed."""
@@ -204,7 +214,10 @@ class Index:
         try:
             yield
         finally:
+            # Their sorts spill to temporary files, not to this process's memory.
+            self.db.execute("PRAGMA temp_store=FILE")
             create_tables(self.db)
+            self.db.execute("PRAGMA temp_store=MEMORY")
 
     # -- meta ---------------------------------------------------------------------------
 
@@ -364,17 +377,24 @@ class Index:
         """The `newest` most recently accessed named regular files of the hot tier (of one
         tenant, or of all), least recently accessed first: what the eviction policies start
         from."""
-        # Each tenant's files newest first (nodes_by_atime), merged: `newest` rows are read,
-        # not the whole table.
+        # Each tenant's files in access order (nodes_by_atime), merged, in two passes that
+        # hold nothing per file: newest first, (atime, inode) only, to find the cut-off;
+        # then oldest first from the cut-off on.
         tenants = [tenant] if tenant is not None else [t.inode for t in self.tenants()]
+        where = "tenant = ? AND (mode & ?) = ? AND parent != ? AND tier = 0"
+        regular = (0o170000, stat.S_IFREG, ORPHAN_PARENT)
+        keys = heapq.merge(*(self.db.execute(
+            f"SELECT atime_ns, inode FROM nodes WHERE {where} "
+            "ORDER BY atime_ns DESC, inode DESC LIMIT ?", (t, *regular, newest))
+            for t in tenants), reverse=True)
+        cut = (-1, 0)
+        for cut in itertools.islice(keys, newest):
+            pass
         runs = [self.db.execute(
-            f"SELECT {_COLUMNS} FROM nodes WHERE tenant = ? AND (mode & ?) = ? AND parent != ? "
-            "AND tier = 0 ORDER BY atime_ns DESC, inode DESC LIMIT ?",
-            (t, 0o170000, stat.S_IFREG, ORPHAN_PARENT, newest)) for t in tenants]
+            f"SELECT {_COLUMNS} FROM nodes WHERE {where} AND (atime_ns, inode) >= (?, ?) "
+            "ORDER BY atime_ns, inode", (t, *regular, *cut)) for t in tenants]
         # Columns 7 and 0 are atime_ns and inode.
-        rows = list(itertools.islice(heapq.merge(*runs, key=lambda r: (r[7], r[0]),
-                                                 reverse=True), newest))
-        return (_node(r) for r in reversed(rows))
+        return (_node(r) for r in heapq.merge(*runs, key=lambda r: (r[7], r[0])))
 
     def coldest(self, tenant: int, after: tuple[int, int], limit: int) -> list[Node]:
         """A tenant's evictable hot files (unpinned, complete, named) in access order, from
@@ -408,11 +428,9 @@ class Index:
 
     def usage_by_namespace(self) -> dict[tuple[int, int], tuple[int, int]]:
         """(tenant, ns) -> (regular files, bytes), over nodes that have a name."""
-        rows = self.db.execute(
+        rows = self.db.execute(  # literals, not parameters: so that nodes_usage serves it
             "SELECT tenant, ns, COUNT(*), COALESCE(SUM(size), 0) FROM nodes "
-            "WHERE (mode & ?) = ? AND parent != ? AND tier = 0 GROUP BY tenant, ns",
-            (0o170000, stat.S_IFREG, ORPHAN_PARENT),
-        ).fetchall()
+            f"WHERE {_HOT_FILE} GROUP BY tenant, ns").fetchall()
         return {(t, n): (c, b) for t, n, c, b in rows}
 
     def tier_usage(self) -> dict[int, tuple[int, int]]:
