@@ -475,10 +475,12 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
         raise CliError("--sizes and --threads take comma-separated integers", EXIT_USAGE) from None
     if not args.sizes or not args.threads or min(args.sizes + args.threads) < 1:
         raise CliError("--sizes and --threads take positive integers", EXIT_USAGE)
-    if (args.repeats < 1 or args.control_requests < 0 or args.request_mib < 1
+    if (min(args.repeats, args.warm_repeats) < 1 or args.control_requests < 0
+            or args.request_mib < 1
             or args.total_mib < max(args.sizes)):
-        raise CliError("--repeats and --request-mib must be at least 1, --control-requests "
-                       "not negative, --total-mib at least the largest block size", EXIT_USAGE)
+        raise CliError("--repeats, --warm-repeats and --request-mib must be at least 1, "
+                       "--control-requests not negative, --total-mib at least the largest "
+                       "block size", EXIT_USAGE)
     if not os.path.isdir(args.dir):
         raise CliError(f"no directory {args.dir}", EXIT_USAGE)
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
@@ -706,7 +708,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV per block size, MiB (256)")
     br.add_argument("--request-mib", type=int, default=64, dest="request_mib",
                     help="KV restored per request, MiB: the latency unit (64)")
-    br.add_argument("--repeats", type=int, default=3, help="runs per figure; median (3)")
+    br.add_argument("--repeats", type=int, default=3,
+                    help="runs per figure with a cold page cache; median (3)")
+    br.add_argument("--warm-repeats", type=int, default=7, dest="warm_repeats",
+                    help="runs per figure with a warm page cache (short: more of them); "
+                         "median (7)")
     br.add_argument("--control-requests", type=int, default=300, dest="control_requests",
                     help="64-block requests timed for the control overhead (300; 0: none)")
     br.add_argument("--no-cold", dest="cold", action="store_false",

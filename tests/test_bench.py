@@ -195,7 +195,8 @@ def test_bench_restore_measures_every_path(tmp_path):
     pytest.importorskip("torch")
     out = tmp_path / "out" / "restore.json"
     res = kvfs("bench", "restore", "--sizes", "1", "--threads", "1,2", "--total-mib", "3",
-               "--request-mib", "2", "--repeats", "1", "--no-cold", "--no-fio",
+               "--request-mib", "2", "--repeats", "1", "--warm-repeats", "2", "--no-cold",
+               "--no-fio",
                "--control-requests", "5", "--dir", str(tmp_path), "--json", str(out))
     assert "GB/s of KV delivered" in res.stdout and "control plane" in res.stdout
     text = out.read_text()
@@ -209,7 +210,7 @@ def test_bench_restore_measures_every_path(tmp_path):
     for r in rows:
         assert (r["block_mib"], r["cache"], r["blocks"], r["request_blocks"]) == (1, "warm", 3, 2)
         assert r["gbps"] > 0 and r["x_raw"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
-        assert r["requests"] == 2  # 3 blocks, 2 per request, one run
+        assert r["requests"] == 4  # 3 blocks, 2 per request, two (warm) runs
         if r["path"] == "raw":
             assert r["x_raw"] == 1.0
         if r["path"] in ("direct", "direct-sampled", "mount"):

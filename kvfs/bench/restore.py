@@ -19,9 +19,10 @@ MiB), thread count (``--threads``) and page-cache state (cold: ``sync; echo 3 >
 A run reads every block once, as requests of ``--request-mib`` of KV each (one engine
 request restoring that much prefix), one after the other; latency is per request (p50, p99
 over every request of every run). GB/s is KV payload (the 4 KiB header is read but not
-counted) per second of wall time, the median run; ``x_raw`` is the median over runs of raw's
-time divided by the path's. Runs are interleaved (round r runs each path once, in an order
-rotated by r), so the load of other processes weighs on all paths alike.
+counted) per second of wall time, the median run (``--repeats`` runs cold, each after a
+cache drop; ``--warm-repeats`` warm, which are short); ``x_raw`` is the median over runs of
+raw's time divided by the path's. Runs are interleaved (round r runs each path once, in an
+order rotated by r), so the load of other processes weighs on all paths alike.
 
 Then the control plane: ``--control-requests`` requests (``lookup`` + ``load``) of 64 blocks
 that carry 8 bytes of KV each, against raw ``preadv`` of the same 64 files: what a request
@@ -390,7 +391,8 @@ def bench_size(args: Any, mount: Mount, work: str, block_mib: int) -> list[dict[
                 if fio:
                     runs["fio"] = fio_read(blocks, threads, work)
                 try:
-                    got = measure({p: runs[p] for p in PATHS if p in runs}, args.repeats,
+                    got = measure({p: runs[p] for p in PATHS if p in runs},
+                                  args.repeats if state == "cold" else args.warm_repeats,
                                   state == "cold", mount.pid)
                 finally:
                     pool.shutdown()
@@ -616,7 +618,8 @@ def run(args: Any) -> dict[str, Any]:
                 fio=_first_line(["fio", "--version"]) if shutil.which("fio") else None,
                 other_busy_cpus_before=busy_cpus())
     params = {k: getattr(args, k) for k in ("sizes", "threads", "total_mib", "request_mib",
-                                            "repeats", "control_requests", "cold", "fio")}
+                                            "repeats", "warm_repeats", "control_requests",
+                                            "cold", "fio")}
     record: dict[str, Any] = {"benchmark": "restore", "params": params, "conditions": cond,
                               "rows": [], "control": None}
     mount = Mount(work)
@@ -667,7 +670,7 @@ def main(args: Any) -> int:
     if args.quick:
         args.sizes, args.threads = [1, 16], [1, 2]
         args.total_mib = min(args.total_mib, 64)
-        args.repeats = 1
+        args.repeats = args.warm_repeats = 1
         args.control_requests = min(args.control_requests, 50)
     record = run(args)
     record["command"] = command(list(sys.argv))
