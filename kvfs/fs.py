@@ -731,6 +731,9 @@ class Operations(pyfuse3.Operations):
             self.stats.by_ns[self._key(parent)].mount_misses -= 1
 
     async def _fan_dir(self, ns_node: Node, name: bytes) -> Node:
+        found = self.index.lookup(ns_node.inode, name)
+        if found is not None and found.is_dir:
+            return found  # indexed: its backing directory exists
         path = self._join(self._path(ns_node), name)
         mode = stat.S_IMODE(ns_node.mode)
         try:
@@ -1579,8 +1582,8 @@ class Operations(pyfuse3.Operations):
 
     async def _fetch_many(self, dnode: Node, hashes: list[bytes]) -> None:
         """Promote the blocks of `dnode` that the hot tier lacks, concurrently."""
-        if self.tiering is None or not self.tiering.tiers:
-            return
+        if self.tiering is None or not self.tiering.reachable():
+            return  # no tiers, or every tier's circuit is open: misses, at once
 
         async def one(h: bytes) -> None:
             fan = await self._fan_dir(self.index.get(dnode.inode), h[:1].hex().encode())

@@ -140,6 +140,10 @@ class Tiering:
         self._results: dict[str, Fetched | None] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, str, int]](UPLOAD_QUEUE)
 
+    def reachable(self) -> bool:
+        """Whether some tier may be asked now (its circuit is not open)."""
+        return any(b.state != "open" for b in self.breakers)
+
     @property
     def shared(self) -> list[int]:
         """Indexes (0-based) of the tiers that other hosts read: write-through targets."""

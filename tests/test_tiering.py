@@ -265,3 +265,7 @@ def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
     assert results == [None] * 16
     assert len(calls) == 4 and c.timeouts == 4 and c.skipped == 12
     assert tiering.breakers[0].state == "open"
+    # With every circuit open, the mount does not even try: lookups miss at once.
+    assert not tiering.reachable()
+    tiering.breakers[0].success()
+    assert tiering.reachable()
