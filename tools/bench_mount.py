@@ -720,12 +720,13 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[Row]:
                             "GB/s", "same files on the backing fs", ">= 0.6x")
                     r.ok = r.ratio >= 0.6
                     rows.append(r)
+            # Shown, not a target: O_DIRECT through FUSE copies every byte through pyfuse3,
+            # which is why bulk bytes take the client's direct path instead.
             k = f"read_daemon_mount_{t}t"
-            r = Row(f"seq read, O_DIRECT via the mount (every byte through the daemon), "
-                    f"{_threads(t)}", tp[k]["gbps"], tp[f"read_warm_direct_{t}t"]["gbps"],
-                    "GB/s", "same files on the backing fs, warm", ">= 0.6x")
-            r.ok = r.ratio >= 0.6
-            rows.append(r)
+            rows.append(Row(f"seq read, O_DIRECT via the mount (every byte through the "
+                            f"daemon), {_threads(t)}", tp[k]["gbps"],
+                            tp[f"read_warm_direct_{t}t"]["gbps"], "GB/s",
+                            "same files on the backing fs, warm"))
         if "fio_read" in tp:
             best = max(args.threads)
             for kind in ("read_cold", "read_warm"):
