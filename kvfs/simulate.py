@@ -24,6 +24,12 @@ blocks; with byte sizes it is the same greedy rule, no longer exactly optimal. (
 parent first instead strands children: 50.1 % instead of 50.6 % at 10 % of the Mooncake
 trace.) ``unbounded`` never evicts: the ceiling.
 
+Bounds (``clairvoyant``). Between an online policy and the optimum, two reference policies
+that know part of the future measure what an online policy could learn: ``knows-reuse`` is
+chain-aware LRU that caches only the blocks that will be used again; ``knows-count`` also
+evicts the tail with the fewest uses to come first (least recently used among equals). Neither
+knows when; both are for comparison only.
+
 ``python -m kvfs.simulate TRACE`` prints a table; TRACE is a Mooncake-format file or the name
 of a generator of ``kvfs.trace`` (``agentic``, ``mixed``).
 """
@@ -34,15 +40,16 @@ import argparse
 import heapq
 import json
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from kvfs.policy import POLICIES, Policy, policy_by_name
+from kvfs.policy import POLICIES, ChainLRU, Key, Policy, policy_by_name
 from kvfs.trace import BLOCK_TOKENS, Request, agentic_trace, mixed_trace, read_trace
 
 OPTIMUM = "optimum"
 UNBOUNDED = "unbounded"
+KNOWS = ("knows-reuse", "knows-count")
 
 
 @dataclass(slots=True)
@@ -191,6 +198,125 @@ def belady(
     return res
 
 
+class _KnowsReuse(ChainLRU):
+    """Chain-aware LRU that admits only blocks used again (``remaining``: uses to come)."""
+
+    name = KNOWS[0]
+
+    def __init__(self, remaining: dict[Key, int]) -> None:
+        super().__init__()
+        self.remaining = remaining
+
+    def admit(self, key: Key, size: int, *, parent: Key | None = None, now: float) -> bool:
+        return self.remaining.get(key, 0) > 0
+
+    def changed(self, key: Key) -> None:
+        pass
+
+
+class _KnowsCount(Policy):
+    """Chain-aware: admits only blocks used again, evicts the tail with the fewest uses to
+    come, least recently used among equals. A heap of (uses, stamp, key), stale entries
+    skipped; ``changed`` is told when a cached key's count drops."""
+
+    name = KNOWS[1]
+
+    def __init__(self, remaining: dict[Key, int]) -> None:
+        self.remaining = remaining
+        self.parent: dict[Key, Key | None] = {}
+        self.kids: dict[Key, int] = {}
+        self.stamp: dict[Key, int] = {}
+        self.clock = 0
+        self.heap: list[tuple[int, int, Key]] = []
+
+    def _push(self, key: Key) -> None:
+        if key in self.stamp and not self.kids[key]:
+            heapq.heappush(self.heap, (self.remaining.get(key, 0), self.stamp[key], key))
+
+    def changed(self, key: Key) -> None:
+        self._push(key)
+
+    def admit(self, key: Key, size: int, *, parent: Key | None = None, now: float) -> bool:
+        return self.remaining.get(key, 0) > 0
+
+    def insert(self, key: Key, size: int, *, parent: Key | None = None, now: float) -> None:
+        if key in self.stamp:
+            self.access(key, now)
+            return
+        self.clock += 1
+        self.stamp[key], self.kids[key] = self.clock, 0
+        self.parent[key] = parent if parent in self.stamp else None
+        if self.parent[key] is not None:
+            self.kids[parent] += 1  # type: ignore[index]
+        self._push(key)
+
+    def access(self, key: Key, now: float) -> None:
+        if key in self.stamp:
+            self.clock += 1
+            self.stamp[key] = self.clock
+            self._push(key)
+
+    def remove(self, key: Key) -> None:
+        if key not in self.stamp:
+            return
+        del self.stamp[key], self.kids[key]
+        up = self.parent.pop(key)
+        if up is not None and up in self.stamp:
+            self.kids[up] -= 1
+            self._push(up)
+
+    def pin(self, key: Key, pinned: bool) -> None:
+        raise NotImplementedError("a reference policy has no pins")
+
+    def victims(self) -> Iterator[Key]:
+        skipped = []
+        try:
+            while self.heap:
+                uses, stamp, key = heapq.heappop(self.heap)
+                if (self.stamp.get(key) != stamp or self.kids[key]
+                        or self.remaining.get(key, 0) != uses):
+                    continue  # stale
+                yield key
+                if key in self.stamp:
+                    skipped.append(key)
+        finally:
+            for key in skipped:
+                self._push(key)
+
+    def __len__(self) -> int:
+        return len(self.stamp)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.stamp
+
+
+def clairvoyant(
+    requests: Sequence[Request],
+    capacity: int,
+    knows: str,
+    *,
+    block_tokens: int = BLOCK_TOKENS,
+    block_bytes: int | None = None,
+) -> Result:
+    """A reference policy that knows part of the future (``knows`` one of ``KNOWS``)."""
+    remaining: dict[Key, int] = {}
+    for r in requests:
+        for key in r.hash_ids:
+            remaining[key] = remaining.get(key, 0) + 1
+    pol: _KnowsReuse | _KnowsCount
+    pol = _KnowsReuse(remaining) if knows == KNOWS[0] else _KnowsCount(remaining)
+
+    def feed() -> Iterator[Request]:
+        for r in requests:
+            for key in r.hash_ids:  # from now on: uses after this request
+                remaining[key] -= 1
+                if key in pol:
+                    pol.changed(key)
+            yield r
+
+    return simulate(feed(), pol, capacity, block_tokens=block_tokens, block_bytes=block_bytes)
+
+
 def unbounded(requests: Iterable[Request], *, block_tokens: int = BLOCK_TOKENS) -> Result:
     """Hits with no eviction at all: the ceiling of every policy."""
     res = Result(UNBOUNDED, 0)
@@ -224,8 +350,10 @@ def compare(
     *,
     block_tokens: int = BLOCK_TOKENS,
     seed: int = 0,
+    bounds: bool = False,
 ) -> dict:
-    """Every policy, the optimum and the unbounded cache at each capacity.
+    """Every policy, the optimum and the unbounded cache at each capacity (and with
+    ``bounds`` the reference policies of ``clairvoyant``).
 
     Capacities are ``fractions`` of the trace's distinct blocks. Each row has the block and
     token hit rates in %, and ``gap_closed``: the share of LRU's gap to the optimum that the
@@ -238,6 +366,8 @@ def compare(
     for fraction in fractions:
         cap = max(1, round(fraction * distinct))
         results = [simulate(requests, p, cap, block_tokens=block_tokens) for p in policies]
+        if bounds:
+            results += [clairvoyant(requests, cap, k, block_tokens=block_tokens) for k in KNOWS]
         opt = belady(requests, cap, block_tokens=block_tokens)
         by_name = {r.policy: r for r in results}
         lru = by_name.get("lru") or simulate(requests, "lru", cap, block_tokens=block_tokens)
@@ -268,7 +398,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"{report['requests']} requests, {report['references']} block references, "
         f"{report['blocks']} distinct blocks of {report['block_tokens']} tokens",
-        f"{'capacity':>16}  {'policy':<10} {'block hit %':>11} {'token hit %':>11} "
+        f"{'capacity':>16}  {'policy':<11} {'block hit %':>11} {'token hit %':>11} "
         f"{'gap closed %':>12}",
     ]
     last = None
@@ -278,7 +408,7 @@ def format_table(report: dict) -> str:
             lines.append("")
         closed = "" if row["policy"] in ("lru", UNBOUNDED) else f"{row['gap_closed']:.1f}"
         lines.append(
-            f"{cap if cap != last else '':>16}  {row['policy']:<10} {row['block_hit']:>11.1f} "
+            f"{cap if cap != last else '':>16}  {row['policy']:<11} {row['block_hit']:>11.1f} "
             f"{row['token_hit']:>11.1f} {closed:>12}"
         )
         last = cap
@@ -293,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--block-tokens", type=int, default=BLOCK_TOKENS)
     ap.add_argument("--seed", type=int, default=0, help="for generated traces")
     ap.add_argument("--json", action="store_true", help="print the report as JSON")
+    ap.add_argument("--bounds", action="store_true",
+                    help="add the reference policies that know part of the future")
     args = ap.parse_args(argv)
     try:
         report = compare(
@@ -301,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.policies.split(","),
             block_tokens=args.block_tokens,
             seed=args.seed,
+            bounds=args.bounds,
         )
     except (OSError, ValueError) as e:
         print(f"kvfs.simulate: {e}", file=sys.stderr)

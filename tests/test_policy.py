@@ -22,7 +22,7 @@ from kvfs.policy import (
     _Ghosts,
     policy_by_name,
 )
-from kvfs.simulate import belady, compare, main, simulate, unbounded
+from kvfs.simulate import KNOWS, belady, clairvoyant, compare, main, simulate, unbounded
 from kvfs.trace import BlockIds, Request, agentic_trace, mixed_trace, read_trace, write_trace
 
 CHAIN_AWARE = [p for p in POLICIES if p != "lru"]
@@ -389,6 +389,22 @@ def test_belady_is_the_optimum_on_tiny_traces(seed):
     for name in POLICIES:
         assert simulate(trace, name, capacity).hit_blocks <= opt.hit_blocks
     assert opt.hit_blocks <= unbounded(trace).hit_blocks
+    for knows in KNOWS:
+        assert clairvoyant(trace, capacity, knows).hit_blocks <= opt.hit_blocks
+
+
+def test_clairvoyant_references_skip_one_off_blocks():
+    # A document read again and again, between one-off prompts that would push it out of LRU.
+    trace = []
+    for i in range(20):
+        trace.append(req([1, 2, 3]))
+        trace.append(req([100 + 2 * i, 101 + 2 * i]))
+    lru = simulate(trace, "chain-lru", 4).hit_blocks
+    reuse = clairvoyant(trace, 4, "knows-reuse")
+    count = clairvoyant(trace, 4, "knows-count")
+    assert lru == 2 * 19  # the one-off blocks push out the document's tail every time
+    assert reuse.hit_blocks == count.hit_blocks == 3 * 19
+    assert reuse.inserted == count.inserted == 3  # nothing else was worth caching
 
 
 def test_belady_prefers_the_sooner_reuse_and_drops_the_never_used():
