@@ -95,6 +95,10 @@ def _check_name(name: bytes) -> None:
         raise FUSEError(errno.EINVAL)
 
 
+#: The file the client keeps in each model namespace (see kvfs.client.MANIFEST).
+MANIFEST_NAME = b"manifest.json"
+
+
 @dataclass(slots=True)
 class OpenFile:
     """State of an inode that has open handles."""
@@ -250,6 +254,12 @@ class Operations(pyfuse3.Operations):
         for key in spilled:
             policy.remove(key)
 
+    @staticmethod
+    def _is_manifest(node: Node) -> bool:
+        """A namespace's manifest (the spec its blocks were written for): a few hundred bytes
+        that capacity eviction leaves alone (retention still ages it out with its blocks)."""
+        return node.parent == node.ns and node.name == MANIFEST_NAME
+
     def _cold(self, tenant: int) -> int:
         """How many of a tenant's hot files have no entry in its policy."""
         p = self.policies.get(tenant)
@@ -267,6 +277,7 @@ class Operations(pyfuse3.Operations):
             for node in rows:
                 after = (node.atime_ns, node.inode)
                 if (node.inode in self.open_files or node.inode in self.evicting
+                        or self._is_manifest(node)
                         or (policy is not None and self._pkey(node) in policy)):
                     continue
                 chosen.append(node)
@@ -364,7 +375,8 @@ class Operations(pyfuse3.Operations):
                 if inode in self.open_files or inode in self.evicting:
                     continue  # being read or written: never evicted
                 node = self.index.find(inode) if inode is not None else None
-                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
+                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or (
+                        node.tier or self._is_manifest(node)):
                     stale.append(key)
                     continue
                 # Out of the policy at once, so that its parent may become the next victim.

@@ -201,3 +201,12 @@ def test_bounded_policy_memory_evicts_cold_files_oldest_first(mount_factory):
     assert m.stats()["policy"]["entries"] <= 4
     assert m.stats()["tenants"]["t"]["ns"]["evictions"] == len({f"f{i}" for i in range(11)}
                                                                  - left)
+
+
+def test_capacity_eviction_keeps_the_namespace_manifest(small):
+    ns = small.mnt / "t" / "ns"
+    (ns / "manifest.json").write_text('{"model": "m"}')  # the oldest file of all
+    for i in range(10):
+        write(ns / f"f{i}", 200 * K)
+    assert small.stats()["tenants"]["t"]["ns"]["evictions"] >= 5
+    assert (ns / "manifest.json").read_text() == '{"model": "m"}'
