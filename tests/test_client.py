@@ -553,3 +553,36 @@ def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
             assert n == size  # the right length, or short of the padding
         else:
             assert n == 4096 + payload + pad + 1  # longer: the probe is full
+
+
+def test_header_fast_check_is_never_looser_than_the_decode():
+    """The loader's byte comparison (blockfile.HeaderCheck) accepts a header only where the
+    full decode and check accept it, and refuses every single-bit flip anywhere in it."""
+    spec = SPEC
+    check = blockfile.HeaderCheck(fingerprint=spec.fingerprint, token_count=spec.block_size,
+                                  dtype=spec.kv_dtype, shape=spec.block_shape)
+    h, parent = b"h" * 16, b"p" * 16
+    payload = os.urandom(spec.block_payload_bytes)
+    head = bytearray(blockfile.encode_parts(
+        block_hash=h, parent_hash=parent, fingerprint=spec.fingerprint,
+        token_count=spec.block_size, dtype=spec.kv_dtype, shape=spec.block_shape,
+        payload=payload)[0])
+    assert check.payload_checksum(head, h) == blockfile.payload_checksum(payload)
+    assert check.file_size == 4096 + blockfile.padded_size(spec.block_payload_bytes)
+    assert check.payload_checksum(head, b"x" * 16) is None  # another block's header
+    for bit in range(0, 4096 * 8, 7):
+        bad = bytearray(head)
+        bad[bit // 8] ^= 1 << bit % 8
+        assert check.payload_checksum(bad, h) is None, bit
+        with pytest.raises(blockfile.BlockFormatError):
+            blockfile.check(blockfile.decode_header(bad), block_hash=h,
+                            fingerprint=spec.fingerprint, dtype=spec.kv_dtype,
+                            shape=spec.block_shape)
+    # A header the full check accepts but the fast one does not know (another token count):
+    # the fast check defers (None) and the loader takes the full decode's verdict.
+    other = bytearray(blockfile.encode_parts(
+        block_hash=h, parent_hash=parent, fingerprint=spec.fingerprint,
+        token_count=spec.block_size - 1, dtype=spec.kv_dtype, shape=spec.block_shape,
+        payload=payload)[0])
+    assert check.payload_checksum(other, h) is None
+    blockfile.check(blockfile.decode_header(other), block_hash=h, fingerprint=spec.fingerprint)
