@@ -85,6 +85,9 @@ SAMPLE_EVERY = 8
 FD_LIMIT = 65536
 #: Access records queued for the control thread beyond which a request waits for it.
 MAX_QUEUED_RECORDS = 8
+#: Seconds the control thread waits for a record before it ends (the next record starts
+#: another): a client that is never closed does not keep a thread, nor itself, alive.
+CONTROL_IDLE_S = 1.0
 #: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
 #: below that, a thread hand-off costs more than the read it would take over.
 THREAD_BYTES = 1 << 20
@@ -304,8 +307,9 @@ class KVCache:
         with self._outbox_cv:
             self._stopping = True
             self._outbox_cv.notify_all()
-        if self._sender is not None:
-            self._sender.join()
+            sender = self._sender
+        if sender is not None:
+            sender.join()
         self._loads.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
@@ -381,8 +385,10 @@ class KVCache:
         while True:
             with self._outbox_cv:
                 while not self._outbox and not self._stopping:
-                    self._outbox_cv.wait()
+                    if not self._outbox_cv.wait(CONTROL_IDLE_S) and not self._outbox:
+                        break  # idle
                 if not self._outbox:
+                    self._sender = None
                     return
                 name, value = self._outbox.pop(0)
                 self._sending = True

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 import torch
@@ -153,6 +154,29 @@ def test_constant_control_calls(mount, cache):
     assert cache.lookup(miss) == 0
     assert cache.stats["control_calls"] - before == 1
     assert (ns_stats(mount)["lookups"], ns_stats(mount)["miss_blocks"]) == (3, 2)
+
+
+def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
+    """Access records go on a control thread that ends once idle, so a client never closed
+    keeps no thread; the next record starts another, and nothing is lost on the way."""
+    from kvfs import client as client_module
+
+    monkeypatch.setattr(client_module, "CONTROL_IDLE_S", 0.2)
+    c = KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+    try:
+        hashes = c.block_hashes(tokens(2))
+        c.save(hashes, kv_of(hashes))
+        for round_ in range(2):
+            assert c.load(hashes, empty(2)) == 2
+            assert c._sender is not None
+            deadline = time.monotonic() + 10
+            while c._sender is not None and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c._sender is None, "the control thread did not end"
+            assert ns_stats(mount)["direct_needed_bytes"] == (round_ + 1) * 2 * (
+                4096 + SPEC.block_payload_bytes)
+    finally:
+        c.close()
 
 
 def test_held_back_lookup_records_are_not_lost(mount, tenant):
