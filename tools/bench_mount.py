@@ -535,7 +535,11 @@ def make_tree(root: str, n: int, dirs: int, nbytes: int) -> float:
     workers = max(1, len(os.sched_getaffinity(0)))
     per = max(1, -(-n // (workers * 8)))
     jobs = [(root, list(range(i, min(n, i + per))), dirs, nbytes) for i in range(0, n, per)]
-    with multiprocessing.get_context("fork").Pool(workers) as pool:
+    # Workers take SIGTERM's default action: this process's handler (raise SystemExit)
+    # would leave a worker stuck on the pool's lock when the pool terminates it.
+    with multiprocessing.get_context("fork").Pool(
+            workers, initializer=signal.signal, initargs=(signal.SIGTERM, signal.SIG_DFL)
+    ) as pool:
         made = sum(pool.imap_unordered(_make_files, jobs))
     assert made == n
     os.sync()
