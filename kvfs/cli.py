@@ -105,7 +105,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise CliError(f"backing directory {opts.backing} does not exist")
     if not os.path.isdir(opts.mountpoint):
         raise CliError(f"mount point {opts.mountpoint} is not a directory")
-    os.makedirs(os.path.dirname(log_file), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "kvfs.cli", "mount", opts.backing, opts.mountpoint,
            "--foreground", "--ready-fd", str(wfd), "--log", log_file]

@@ -1063,13 +1063,19 @@ class Operations(pyfuse3.Operations):
         data = self._read_cached(h, off, size)
         if data is None:
             data = await self._io(self._read_disk, h, off, size)
+        elif h.ahead and off == h.next_off and off + size + self.READ_AHEAD // 2 > h.ahead:
+            # A cold sequential reader served from what was read ahead: ask for more before
+            # it runs out (in a thread, not waited for), so that it never meets the disk.
+            start, h.ahead = h.ahead, off + size + self.READ_AHEAD
+            if self._nursery is not None:
+                self._nursery.start_soon(self._io, self._advise, h.fd, start, h.ahead - start)
         h.next_off = off + len(data)
         self.stats.read(h.key, len(data))
         h.nread += len(data)
         return data
 
     #: Bytes a sequential reader's backing file is read ahead of it.
-    READ_AHEAD = 8 << 20
+    READ_AHEAD = 16 << 20
 
     def _read_disk(self, h: Handle, off: int, size: int) -> bytes:
         """Thread: read from the disk. A sequential reader's next READ_AHEAD bytes are asked
@@ -1078,9 +1084,17 @@ class Operations(pyfuse3.Operations):
         data = os.pread(h.fd, size, off)
         end = off + len(data)
         if off == h.next_off and len(data) == size and end + self.READ_AHEAD // 2 > h.ahead:
-            os.posix_fadvise(h.fd, end, self.READ_AHEAD, os.POSIX_FADV_WILLNEED)
-            h.ahead = end + self.READ_AHEAD
+            start, h.ahead = max(end, h.ahead), end + self.READ_AHEAD
+            self._advise(h.fd, start, h.ahead - start)
         return data
+
+    @staticmethod
+    def _advise(fd: int, off: int, length: int) -> None:
+        """Thread: start reading a range of a backing file into the page cache."""
+        try:
+            os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass  # closed meanwhile, or not supported: only a lost hint
 
     def _read_cached(self, h: Handle, off: int, size: int) -> memoryview | None:
         """Bytes already in the page cache, read on the event loop without blocking
