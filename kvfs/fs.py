@@ -1548,12 +1548,14 @@ class Operations(pyfuse3.Operations):
         fresh, dropped = [], []
         policy, now = self._policy(dnode.tenant), time.time()
         placed: set[bytes] = set()
+        refused: set[bytes] = set()  # refused in this batch: their files are about to go
         for h, rel, (hdr, st, parent_there) in zip(hashes, rels, inspected, strict=True):
             if st is None or hdr.block_hash != h:
                 log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
                             hdr if st is None else "header names another block")
                 if st is not None or not isinstance(hdr, FileNotFoundError):
                     dropped.append(rel)
+                refused.add(h)
                 continue
             fnode = self.index.lookup(dnode.inode, h[:1].hex().encode())
             if fnode is not None and self.index.lookup(
@@ -1561,13 +1563,14 @@ class Operations(pyfuse3.Operations):
                 placed.add(h)
                 continue  # content-addressed: publishing twice changes nothing
             p = hdr.parent_hash
-            orphan = (not parent_there and p not in placed
-                      and self.index.find_block(dnode.ns, p) is None)
+            orphan = p in refused or (not parent_there and p not in placed
+                                      and self.index.find_block(dnode.ns, p) is None)
             pkey = (dnode.ns, p) if p != hashing.ROOT_PARENT else None
             if orphan or not policy.admit((dnode.ns, h), st.st_size, parent=pkey, now=now):
                 # A block whose prefix is not cached can never be a prefix hit; a block the
                 # policy would not keep is not worth the space. Neither is placed.
                 dropped.append(rel)
+                refused.add(h)
                 self.stats.by_ns[self._key(dnode)].refused_blocks += 1
                 continue
             placed.add(h)

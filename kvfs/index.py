@@ -12,6 +12,7 @@ other trio tasks. The connection runs in autocommit mode; multi-statement change
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import itertools
@@ -387,9 +388,8 @@ class Index:
             f"SELECT atime_ns, inode FROM nodes WHERE {where} "
             "ORDER BY atime_ns DESC, inode DESC LIMIT ?", (t, *regular, newest))
             for t in tenants), reverse=True)
-        cut = (-1, 0)
-        for cut in itertools.islice(keys, newest):
-            pass
+        last = collections.deque(itertools.islice(keys, newest), maxlen=1)
+        cut = last[0] if last else (-1, 0)
         runs = [self.db.execute(
             f"SELECT {_COLUMNS} FROM nodes WHERE {where} AND (atime_ns, inode) >= (?, ?) "
             "ORDER BY atime_ns, inode", (t, *regular, *cut)) for t in tenants]

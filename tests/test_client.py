@@ -610,3 +610,21 @@ def test_header_fast_check_is_never_looser_than_the_decode():
         payload=payload)[0])
     assert check.payload_checksum(other, h) is None
     blockfile.check(blockfile.decode_header(other), block_hash=h, fingerprint=spec.fingerprint)
+
+
+def test_a_block_refused_in_a_publish_takes_its_descendants_with_it(mount, tenant, cache):
+    """Blocks 0, 1, 2 of a chain published together; block 1's header is damaged: 0 is
+    placed, 1 is refused, and 2 is refused too (its prefix is not cached), never a hole."""
+    hashes = cache.block_hashes(tokens(3, 500))
+    kv = kv_of(hashes)
+    parent = hashing.ROOT_PARENT
+    for i, h in enumerate(hashes):
+        cache._write_block(h, parent, [kv[i]])
+        parent = h
+    with open(cache.path(hashes[1]), "r+b") as f:
+        f.write(b"JUNK")  # the magic
+    ns = mount.mnt / tenant / SPEC.namespace
+    os.setxattr(ns, control.PUBLISH, control.pack_hashes(hashes))
+    assert cache.lookup(hashes) == 1
+    assert os.path.exists(cache.path(hashes[0]))
+    assert not os.path.exists(cache.path(hashes[1])) and not os.path.exists(cache.path(hashes[2]))

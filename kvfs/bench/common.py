@@ -105,6 +105,22 @@ def add_output_args(parser: Any) -> None:
     parser.add_argument("--json", help="write the JSON record here instead (plot beside it)")
 
 
+def portable(value: Any) -> Any:
+    """A record as it may be published: the paths of the machine that ran it (work
+    directories, the trace's location, the checkout) reduced to their last component; the
+    kvfs entry point named `kvfs`. Devices and mount points stay as they are."""
+    if isinstance(value, dict):
+        return {portable(k): portable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [portable(v) for v in value]
+    if isinstance(value, str) and value.startswith("/") and value != "/" and not (
+            value.startswith(("/dev/", "/proc/", "/sys/"))):
+        if value.endswith(("/kvfs/cli.py", "/bin/kvfs")):
+            return "kvfs"
+        return os.path.basename(value.rstrip("/")) or value
+    return value
+
+
 def finish(record: dict[str, Any], args: Any, table: str) -> int:
     """Print the table, write the JSON record and its PNG plot; the tail of every subcommand.
 
@@ -117,6 +133,7 @@ def finish(record: dict[str, Any], args: Any, table: str) -> int:
 
     print(table)
     record.setdefault("command", list(sys.argv))  # how to reproduce it: `kvfs bench report`
+    record = portable(record)
     name = record["benchmark"]
     path = args.json or os.path.join(args.out, f"{name}.json")
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
