@@ -252,7 +252,7 @@ class Operations(pyfuse3.Operations):
                 break
         offered.close()
         for key in spilled:
-            policy.remove(key)
+            policy.forget(key)  # still cached: not an eviction the policy should learn from
 
     @staticmethod
     def _is_manifest(node: Node) -> bool:

@@ -54,6 +54,11 @@ class Policy(ABC):
     def remove(self, key: Key) -> None:
         """``key`` is gone (evicted, unlinked, quarantined); unknown keys are ignored."""
 
+    def forget(self, key: Key) -> None:
+        """``key`` leaves the policy's memory but stays cached (the daemon's bound on
+        entries): unlike `remove`, never counted as an eviction (no ghost, no learning)."""
+        self.remove(key)
+
     @abstractmethod
     def pin(self, key: Key, pinned: bool) -> None:
         """Pinned keys are never victims; unknown keys are ignored."""
@@ -266,6 +271,12 @@ class ChainPolicy(Policy):
         if node is not None and node.list is not None:
             node.freq &= ~_OFFERED
             self._hit(node, now)
+
+    def forget(self, key: Key) -> None:
+        node = self._nodes.get(key)
+        if node is not None:
+            node.freq &= ~_OFFERED  # so that remove does not take it for an eviction
+        self.remove(key)
 
     def remove(self, key: Key) -> None:
         node = self._nodes.pop(key, None)

@@ -600,3 +600,26 @@ def test_kvfs_against_lru_on_small_generated_traces(seed):
             cap = round(fraction * distinct)
             lru, kvfs = (simulate(trace, p, cap).hit_blocks for p in ("lru", "kvfs"))
             assert kvfs >= (margin if fraction < 0.5 else 0.995) * lru, (fraction, lru, kvfs)
+
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_forget_is_not_an_eviction(name):
+    """A key the daemon drops from memory (its file stays cached, cold) is not an eviction:
+    no ghost is left of it, whereas an evicted key is remembered."""
+    evicted, forgotten = policy_by_name(name), policy_by_name(name)
+    for p in (evicted, forgotten):
+        for k in range(8):
+            p.insert(k, 1, now=float(k))
+    chosen = []
+    for p in (evicted, forgotten):
+        offered = p.victims()
+        chosen.append(next(offered))
+        offered.close()
+    assert chosen[0] == chosen[1]
+    evicted.remove(chosen[0])
+    forgotten.forget(chosen[1])
+    assert chosen[0] not in evicted and chosen[1] not in forgotten
+    assert len(evicted) == len(forgotten) == 7
+    if hasattr(evicted, "_ghosts"):
+        assert evicted._ghosts.pop(chosen[0]) and not forgotten._ghosts.pop(chosen[1])
