@@ -328,7 +328,9 @@ def test_finish_records_the_command_and_draws_the_plot(tmp_path, capsys):
     record = crossover_record(tmp_path)
     assert common.finish(record, Namespace(out=str(tmp_path), json=None), "the table") == 0
     saved = json.loads((tmp_path / "crossover.json").read_text())
-    assert saved["command"] == sys.argv
+    # The command as run, with this machine's paths reduced to their last component.
+    assert saved["command"] == common.portable(sys.argv)
+    assert not any(str(tmp_path) in json.dumps(v) for v in saved.values())
     assert "the table" in capsys.readouterr().out
     try:
         import matplotlib  # noqa: F401
