@@ -530,8 +530,16 @@ def cmd_bench_hitrate(args: argparse.Namespace) -> int:
 def cmd_bench_crossover(args: argparse.Namespace) -> int:
     from .bench import crossover  # noqa: PLC0415
 
-    if any(n < 2 for n in args.lengths) or args.repeats < 1:
-        raise CliError("lengths must be at least 2 tokens and repeats at least 1", EXIT_USAGE)
+    if any(n < 2 for n in args.lengths) or args.repeats < 1 or args.block_size < 1:
+        raise CliError("lengths must be at least 2 tokens, repeats and block size at least 1",
+                       EXIT_USAGE)
+    try:
+        args.config = crossover.model_config(args.model or [])
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    max_seq = args.config.get("max_seq", 16384)
+    if max(args.lengths) >= max_seq:
+        raise CliError(f"lengths must be under the model's max_seq ({max_seq})", EXIT_USAGE)
     return crossover.main(args)
 
 
@@ -762,6 +770,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="context lengths in tokens")
     bc.add_argument("--repeats", type=int, default=3)
     bc.add_argument("--cold", action="store_true", help="drop the page cache before restores")
+    bc.add_argument("--model", action="append", metavar="FIELD=VALUE",
+                    help="a larger demo model: any kvfs.tinylm.TinyLMConfig field, e.g. "
+                         "num_layers=16 d_model=1024 (repeatable)")
+    bc.add_argument("--block-size", type=int, default=16, dest="block_size",
+                    help="tokens per KV block (16)")
     bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
     add_output_args(bc)
     bc.set_defaults(func=cmd_bench_crossover)

@@ -56,6 +56,25 @@ def test_bench_crossover_restores_identical_tokens(tmp_path):
         assert r["recompute_ms"] > 0 and r["restore_ms"] > 0
 
 
+def test_bench_crossover_with_a_model_from_the_command_line(tmp_path):
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    out = tmp_path / "crossover.json"
+    kvfs("bench", "crossover", "--lengths", "40", "--repeats", "1", "--model", "num_layers=2",
+         "--model", "d_model=128", "--model", "ffn_dim=256", "--block-size", "8",
+         "--dir", str(tmp_path), "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["model_config"]["num_layers"] == 2 and record["block_size"] == 8
+    assert record["model"]["num_layers"] == 2 and record["model"]["block_size"] == 8
+    assert record["rows"][0]["identical"] and record["rows"][0]["restored_tokens"] == 32
+    bad = kvfs("bench", "crossover", "--model", "layers=2", "--dir", str(tmp_path),
+               "--json", str(tmp_path / "bad.json"), check=False)
+    assert bad.returncode == 2 and "FIELD=VALUE" in bad.stderr
+    assert not (tmp_path / "bad.json").exists()
+
+
 def test_bench_hitrate_against_concurrency(tmp_path):
     why = fuse_available()
     if why:

@@ -88,7 +88,10 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
         if subprocess.run([*KVFS, "umount", mnt], capture_output=True).returncode == 0:
             shutil.rmtree(base, ignore_errors=True)  # a mount left behind keeps its tree
     cross = next((r["tokens"] for r in rows if r["restore_ms"] < r["recompute_ms"]), None)
-    return {"benchmark": "crossover", "model": spec.manifest(), "block_size": block_size,
+    from dataclasses import asdict  # noqa: PLC0415
+
+    return {"benchmark": "crossover", "model": spec.manifest(),
+            "model_config": asdict(model.config), "block_size": block_size,
             "page_cache": "cold" if cold else "warm", "repeats": repeats, "rows": rows,
             "crossover_tokens": cross, "conditions": conditions([workdir])}
 
@@ -104,6 +107,30 @@ def table(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def model_config(items: list[str]) -> dict[str, int]:
+    """`FIELD=VALUE` items as TinyLMConfig fields (ints), checked; ValueError says what is
+    wrong."""
+    from dataclasses import fields  # noqa: PLC0415
+
+    from ..tinylm import TinyLMConfig  # noqa: PLC0415
+
+    known = {f.name: f.type for f in fields(TinyLMConfig)}
+    config: dict[str, Any] = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or name not in known:
+            raise ValueError(f"--model {item!r}: expected FIELD=VALUE with FIELD one of "
+                             f"{', '.join(known)}")
+        try:
+            config[name] = float(value) if known[name] in (float, "float") else int(value)
+        except ValueError:
+            raise ValueError(f"--model {item!r}: {value!r} is not a number") from None
+    TinyLMConfig(**config)  # the model's own checks
+    return config
+
+
 def main(args: Any) -> int:
-    record = run(args.lengths, workdir=args.dir, repeats=args.repeats, cold=args.cold)
+    config = getattr(args, "config", None) or {}
+    record = run(args.lengths, workdir=args.dir, repeats=args.repeats, cold=args.cold,
+                 block_size=getattr(args, "block_size", 16), config=config)
     return finish(record, args, table(record))
