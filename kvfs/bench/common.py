@@ -142,6 +142,6 @@ def finish(record: dict[str, Any], args: Any, table: str) -> int:
     record["plot"] = os.path.basename(png) if drawn else None
     with open(path, "w") as f:
         f.write(json.dumps(record, indent=2) + "\n")
-    print(f"record: {path}" + (f"; plot: {png}" if drawn else "; no plot (matplotlib "
-                                                             "is not installed)"))
+    print(f"record: {path}" + (f"; plot: {png}" if drawn else
+                               "; no plot (matplotlib is not installed, or the log says why)"))
     return 0
