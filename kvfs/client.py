@@ -52,6 +52,7 @@ import os
 import queue
 import resource
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -464,16 +465,23 @@ class KVCache:
 
     # -- lookup and prefetch -------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes]) -> int:
-        """The length, in blocks, of the longest prefix of ``hashes`` that is cached."""
+    def lookup(self, hashes: Sequence[bytes], *, budget: float | None = None) -> int:
+        """The length, in blocks, of the longest prefix of ``hashes`` that is cached.
+
+        ``budget``: at most this many seconds for the blocks the lower tiers must supply
+        (for example, the time to recompute them): what has not arrived by then is a miss
+        for this lookup, and keeps arriving in the background for the next one. None: each
+        fetch is bounded by the mount's fetch deadline only."""
         n = self._hot_prefix(hashes, 0)
         fetched = n < len(hashes) and bool(self.tiers)
         if fetched:
             # One control call: the daemon fetches what the lower tiers have (each fetch
             # within its deadline) and places it hot.
+            end = None if budget is None else time.monotonic() + budget
             for i in range(n, len(hashes), control.MAX_HASHES):
-                self._report(control.FETCH, control.pack_hashes(
-                    list(hashes[i:i + control.MAX_HASHES])))
+                left = None if end is None else max(0.0, end - time.monotonic())
+                self._report(control.FETCH, control.pack_fetch(
+                    list(hashes[i:i + control.MAX_HASHES]), left))
             n = self._hot_prefix(hashes, n)
         miss, bs = len(hashes) - n, self.spec.block_size
         # A lookup that found blocks holds its record back for the load that follows (one

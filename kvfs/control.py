@@ -14,7 +14,9 @@ clients split larger batches.
 - ``user.kvfs.corrupt``: N x 16-byte hashes of blocks that failed verification on read:
   quarantine them, so that they become misses for everyone.
 - ``user.kvfs.fetch``: N x 16-byte hashes the hot tier lacks: fetch them from the lower
-  tiers (each within its deadline) and place them hot; returns when done.
+  tiers (each within its deadline) and place them hot; returns when done. Optionally
+  preceded by ``KVF1`` and a little-endian u32 budget in milliseconds: the call returns once
+  the budget is spent, and the fetches still running finish in the background.
 - ``user.kvfs.prefetch``: the same, but returns at once (the promotions run in the
   background), so that a queued request finds its blocks hot when its turn comes.
 
@@ -59,6 +61,30 @@ def unpack_hashes(value: bytes) -> list[bytes]:
     if len(value) % HASH_LEN:
         raise ControlError(f"payload of {len(value)} bytes is not a list of 16-byte hashes")
     return [value[i:i + HASH_LEN] for i in range(0, len(value), HASH_LEN)]
+
+
+_FETCH_BUDGET = struct.Struct("<4sI")
+FETCH_MAGIC = b"KVF1"
+
+
+def pack_fetch(hashes: list[bytes], budget: float | None = None) -> bytes:
+    """A fetch command; `budget`: seconds the call may take (None: each fetch's deadline)."""
+    if budget is None:
+        return pack_hashes(hashes)
+    if not 0 <= budget < 4e6:
+        raise ControlError(f"a fetch budget of {budget} s is out of range")
+    if len(hashes) * HASH_LEN + _FETCH_BUDGET.size > XATTR_MAX:
+        raise ControlError(f"at most {MAX_HASHES} hashes per command")
+    return _FETCH_BUDGET.pack(FETCH_MAGIC, round(budget * 1000)) + pack_hashes(hashes)
+
+
+def unpack_fetch(value: bytes) -> tuple[list[bytes], float | None]:
+    """(hashes, budget in seconds or None) of a fetch command. A budgeted payload is 8 bytes
+    longer than a multiple of 16, so the two forms cannot be mistaken for each other."""
+    if len(value) % HASH_LEN == _FETCH_BUDGET.size and value[:4] == FETCH_MAGIC:
+        _, ms = _FETCH_BUDGET.unpack_from(value)
+        return unpack_hashes(value[_FETCH_BUDGET.size:]), ms / 1000
+    return unpack_hashes(value), None
 
 
 @dataclass(frozen=True)

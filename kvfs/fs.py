@@ -1509,7 +1509,7 @@ class Operations(pyfuse3.Operations):
             elif name == control.CORRUPT:
                 await self._corrupt(dnode, control.unpack_hashes(value))
             elif name == control.FETCH:
-                await self._fetch_many(dnode, control.unpack_hashes(value))
+                await self._fetch_many(dnode, *control.unpack_fetch(value))
             elif self._nursery is not None:
                 self._nursery.start_soon(self._fetch_many, dnode,
                                          control.unpack_hashes(value))
@@ -1609,10 +1609,27 @@ class Operations(pyfuse3.Operations):
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
 
-    async def _fetch_many(self, dnode: Node, hashes: list[bytes]) -> None:
-        """Promote the blocks of `dnode` that the hot tier lacks, concurrently."""
+    async def _fetch_many(self, dnode: Node, hashes: list[bytes],
+                          budget: float | None = None) -> None:
+        """Promote the blocks of `dnode` that the hot tier lacks, concurrently. With a
+        `budget` (seconds), return once it is spent: the fetches still running are not
+        cancelled (a block is placed and indexed whole, or not at all) but finish in the
+        background, and serve the next request."""
         if self.tiering is None or not self.tiering.reachable():
             return  # no tiers, or every tier's circuit is open: misses, at once
+        if budget is not None and self._nursery is not None:
+            done = trio.Event()
+
+            async def all_then_done() -> None:
+                try:
+                    await self._fetch_many(dnode, hashes)
+                finally:
+                    done.set()
+
+            self._nursery.start_soon(all_then_done)
+            with trio.move_on_after(budget):
+                await done.wait()
+            return
 
         async def one(h: bytes) -> None:
             fan = await self._fan_dir(self.index.get(dnode.inode), h[:1].hex().encode())

@@ -29,3 +29,19 @@ def test_hash_lists():
     with pytest.raises(control.ControlError):
         control.pack_hashes([b"x" * 16] * (control.MAX_HASHES + 1))
     assert len(control.pack_hashes([b"x" * 16] * control.MAX_HASHES)) <= control.XATTR_MAX
+
+
+def test_fetch_with_and_without_a_budget():
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    assert control.unpack_fetch(control.pack_fetch(hashes)) == (hashes, None)
+    assert control.unpack_fetch(control.pack_fetch(hashes, 0.25)) == (hashes, 0.25)
+    # A plain list whose first hash starts with the magic is still a plain list.
+    odd = [control.FETCH_MAGIC + bytes(12)] + hashes
+    assert control.unpack_fetch(control.pack_fetch(odd)) == (odd, None)
+    full = [b"x" * 16] * control.MAX_HASHES
+    assert len(control.pack_fetch(full, 1.0)) <= control.XATTR_MAX
+    for bad in (-1, 5e6):
+        with pytest.raises(control.ControlError):
+            control.pack_fetch(hashes, bad)
+    with pytest.raises(control.ControlError):
+        control.unpack_fetch(control.FETCH_MAGIC + bytes(5))

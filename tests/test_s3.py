@@ -89,3 +89,35 @@ def test_a_dead_store_costs_misses_within_the_deadline(mount_factory, s3):  # no
             break
         time.sleep(0.5)
     assert got == 6 and torch.equal(out, cold_kv)
+
+
+def test_a_lookup_budget_bounds_a_slow_store(mount_factory, s3):  # noqa: F811
+    """Host b reads the bucket through a proxy that holds every response 3 s. A lookup
+    with a 0.3 s budget comes back in well under the store's latency, with misses; the
+    fetches go on in the background and the next lookup finds every block hot."""
+    from kvfs.bench.degraded import Proxy
+
+    host, _, port = s3.endpoint.rpartition(":")
+    proxy = Proxy(("127.0.0.1", int(port)), latency=3.0)
+    try:
+        a = mount_factory("a", extra=["--shared", s3.url])
+        slow_url = s3.url.replace(s3.endpoint, f"{host}:{proxy.port}")
+        b = mount_factory("b", extra=["--shared", slow_url, "--fetch-timeout", "20"])
+        for m in (a, b):
+            kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+        hashes, kv_in = save(a, list(range(16 * 4)))
+        wait_uploaded(s3, hashes)
+        with kv.KVCache.open(b.mnt, tenant="t", spec=SPEC) as c:
+            start = time.monotonic()
+            n = c.lookup(hashes, budget=0.3)
+            took = time.monotonic() - start
+            assert n == 0 and took < 2.0, (n, took)
+            deadline = time.monotonic() + 30
+            while c.lookup(hashes, budget=0) < 4:
+                assert time.monotonic() < deadline, "the background fetches never landed"
+                time.sleep(0.2)
+            out = torch.zeros_like(kv_in)
+            assert c.load(hashes, out) == 4 and torch.equal(out, kv_in)
+        assert b.stats()["tenants"]["t"][SPEC.namespace]["promotions"] == 4
+    finally:
+        proxy.close()
