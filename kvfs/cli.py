@@ -555,6 +555,13 @@ def cmd_bench_degraded(args: argparse.Namespace) -> int:
                        "bandwidth not negative", EXIT_USAGE)
     if not os.path.isdir(args.dir):
         raise CliError(f"no directory {args.dir}", EXIT_USAGE)
+    if args.budget not in (None, "recompute"):
+        try:
+            args.budget = float(args.budget)
+        except ValueError:
+            args.budget = -1.0
+        if args.budget < 0:
+            raise CliError("--budget is 'recompute' or seconds (not negative)", EXIT_USAGE)
     if args.condition and "hot" in args.condition and "s3" not in args.condition:
         raise CliError("--condition hot repeats the s3 condition's requests: add "
                        "--condition s3", EXIT_USAGE)
@@ -781,6 +788,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     bd = bsub.add_parser("degraded", help="tail latency of loads on misses: no lower tier, "
                          "a slow one, a dead one")
+    bd.add_argument("--budget", help="each lookup's budget for lower-tier fetches: seconds, or "
+                    "'recompute' (the measured time to recompute the context); default: none, "
+                    "each fetch is bounded by the fetch deadline only")
     bd.add_argument("--requests", type=int, default=30, help="requests per condition (30)")
     bd.add_argument("--tokens", type=int, default=2048, help="context length (2048)")
     bd.add_argument("--block-size", type=int, default=32, dest="block_size",

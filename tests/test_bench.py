@@ -243,3 +243,23 @@ def test_bench_restore_measures_every_path(tmp_path):
         "direct load >= 0.9x raw preadv", "fetch amplification 1.00x"}
     bad = kvfs("bench", "restore", "--sizes", "0", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "positive" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_degraded_with_a_budget_never_pays_the_deadline(tmp_path):
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    pytest.importorskip("boto3")
+    out = tmp_path / "degraded.json"
+    kvfs("bench", "degraded", "--requests", "3", "--tokens", "256", "--block-size", "16",
+         "--fetch-timeout", "4", "--tier-cooldown", "30", "--interval", "0", "--budget", "0.3",
+         "--condition", "dead-silent", "--dir", str(tmp_path), "--json", str(out))
+    record = json.loads(out.read_text())
+    assert record["lookup_budget_s"] == 0.3
+    (row,) = record["rows"]
+    assert row["condition"] == "dead-silent" and row["hit_blocks"] == 0
+    assert row["max_ms"] < 2000, row["latencies_ms"]  # the budget, not the 4 s deadline
+    bad = kvfs("bench", "degraded", "--budget", "soon", "--dir", str(tmp_path),
+               "--json", str(tmp_path / "bad.json"), check=False)
+    assert bad.returncode == 2 and "--budget" in bad.stderr

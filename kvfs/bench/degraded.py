@@ -350,8 +350,8 @@ def _drop_pages(root: str) -> int:
     return n
 
 
-def _requests(mnt: str, spec: Any, chains: list[list[bytes]], interval: float
-              ) -> list[tuple[float, int]]:
+def _requests(mnt: str, spec: Any, chains: list[list[bytes]], interval: float,
+              budget: float | None = None) -> list[tuple[float, int]]:
     """Lookup + load of each chain, as an engine does: (seconds, blocks loaded) each."""
     import torch  # noqa: PLC0415 - the client side
 
@@ -362,7 +362,7 @@ def _requests(mnt: str, spec: Any, chains: list[list[bytes]], interval: float
     with KVCache.open(mnt, tenant=TENANT, spec=spec) as cache:
         for hashes in chains:
             t0 = time.perf_counter()
-            n = cache.lookup(hashes)
+            n = cache.lookup(hashes, budget=budget)
             if n:
                 cache.load(hashes[:n], out[:n])
             times.append((time.perf_counter() - t0, n))
@@ -413,7 +413,7 @@ def _wait_uploaded(mnt: str, n: int, timeout: float) -> int:
 def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int = 32,
         fetch_timeout: float = 1.0, tier_cooldown: float = 2.0, interval: float = 0.1,
         latency: float = 0.05, bandwidth: float = 50e6, seed: int = 0,
-        only: list[str] | None = None) -> dict[str, Any]:
+        only: list[str] | None = None, budget: float | str | None = None) -> dict[str, Any]:
     import torch  # noqa: PLC0415
 
     from ..client import KVCache  # noqa: PLC0415
@@ -484,6 +484,11 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
         shutil.copytree(os.path.join(base, "publisher", "backing", TENANT),
                         os.path.join(cold, TENANT))
         params["recompute_ms"] = recompute_ms(tokens)
+        # The lookups' budget: None (each fetch bounded by the deadline only), seconds, or
+        # "recompute": what recomputing the context costs, as an engine would pass it.
+        if budget == "recompute":
+            budget = params["recompute_ms"] / 1e3
+        params["lookup_budget_s"] = None if budget is None else round(float(budget), 4)
 
         tier_opts = ["--fetch-timeout", str(fetch_timeout), "--tier-cooldown",
                      str(tier_cooldown), "--no-write-through"]
@@ -515,10 +520,10 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
             mnt = _mount(base, name, extra, env)
             try:
                 t0 = time.monotonic()
-                times = _requests(mnt, spec, chains, interval)
+                times = _requests(mnt, spec, chains, interval, params["lookup_budget_s"])
                 span = time.monotonic() - t0
                 stats = _stats(mnt)
-                again = (_requests(mnt, spec, chains, interval)
+                again = (_requests(mnt, spec, chains, interval, params["lookup_budget_s"])
                          if name == "s3" and "hot" in wanted else None)
             finally:
                 _umount(mnt)
@@ -559,7 +564,9 @@ def table(record: dict[str, Any]) -> str:
              f"({record['blocks_per_request']} blocks of {record['block_bytes'] // 1024} KiB); "
              f"fetch deadline {record['fetch_timeout_s']:g} s, cooldown "
              f"{record['tier_cooldown_s']:g} s; recompute (demo model) "
-             f"{record['recompute_ms']:.1f} ms",
+             f"{record['recompute_ms']:.1f} ms; lookup budget "
+             + (f"{record['lookup_budget_s']:g} s" if record.get("lookup_budget_s") is not None
+                else "none"),
              f"{'condition':<13} {'p50 ms':>8} {'p90 ms':>8} {'p99 ms':>8} {'max ms':>8} "
              f"{'hits':>9} {'paid':>8} {'p99/recompute':>13}"]
     for r in record["rows"]:
@@ -578,5 +585,5 @@ def main(args: Any) -> int:
                  block_size=args.block_size, fetch_timeout=args.fetch_timeout,
                  tier_cooldown=args.tier_cooldown, interval=args.interval,
                  latency=args.slow_latency_ms / 1e3, bandwidth=args.slow_mbps * 1e6,
-                 seed=args.seed, only=args.condition)
+                 seed=args.seed, only=args.condition, budget=args.budget)
     return finish(record, args, table(record))
