@@ -15,13 +15,10 @@ never answers.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -30,6 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+# The helpers the benchmark uses to start its own server (the product cannot import tests).
+from kvfs.bench.degraded import _die_with_parent, _free_ports, weed_binary
 
 ACCESS_KEY = "kvfs-test"
 SECRET_KEY = "kvfs-test-secret-key"
@@ -45,46 +45,6 @@ CLIENT_ENV = {
 }
 #: The admin's worker dials the admin's HTTP port + this, whatever -admin.port.grpc says.
 _GRPC_OFFSET = 10000
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it when the test process dies, however it dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def weed_binary() -> str | None:
-    found = shutil.which("weed")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "weed"
-    return str(beside) if beside.exists() else None
-
-
-def _free_ports(n: int, *, with_offset: int = 0) -> list[int]:
-    """`n` distinct free loopback ports (each with port + `with_offset` free too)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if with_offset:
-                if port + with_offset > 65535:
-                    continue
-                t = socket.socket()
-                held.append(t)
-                try:
-                    t.bind(("127.0.0.1", port + with_offset))
-                except OSError:
-                    continue
-            ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
 
 
 class S3Server:
