@@ -59,7 +59,14 @@ def use_this_checkout() -> None:
 
 use_this_checkout()
 from kvfs.bench import common  # noqa: E402
-from kvfs.bench.common import cpu_model, filesystem_of, memory_gib  # noqa: E402
+from kvfs.bench.common import (  # noqa: E402
+    DROP_CACHES,
+    busy_cpus,
+    can_drop_caches,
+    cpu_model,
+    filesystem_of,
+    memory_gib,
+)
 from kvfs.bench.common import read_text as _read  # noqa: E402
 
 
@@ -152,24 +159,11 @@ def conditions_line(c: dict[str, Any]) -> str:
 
 # -- caches --------------------------------------------------------------------------------
 
-_DROP = "/proc/sys/vm/drop_caches"
-
-
-def can_drop_caches() -> bool:
-    if os.getuid() != 0:
-        return False
-    try:
-        with open(_DROP, "w") as f:
-            f.write("1")
-        return True
-    except OSError:
-        return False
-
 
 def drop_caches(level: int = 3) -> None:
     """1: page cache; 2: dentries and inodes; 3: both. After a sync, so dirty pages go too."""
     os.sync()
-    with open(_DROP, "w") as f:
+    with open(DROP_CACHES, "w") as f:
         f.write(str(level))
 
 
@@ -847,18 +841,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _stop(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)  # unwinds through the finally blocks: unmount, clean up
-
-
-def busy_cpus() -> float:
-    """How many CPUs other processes kept busy over the last second (this one is idle)."""
-    def sample() -> tuple[int, int]:
-        f = [int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:]]
-        return sum(f) - f[3] - f[4], sum(f)
-
-    b0, t0 = sample()
-    time.sleep(1.0)
-    b1, t1 = sample()
-    return round((b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), 2)
 
 
 def main(argv: list[str] | None = None) -> int:

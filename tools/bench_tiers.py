@@ -89,9 +89,11 @@ import torch  # noqa: E402
 import kvfs  # noqa: E402
 from kvfs.bench.common import (  # noqa: E402
     add_output_args,
+    busy_cpus,
     cpu_model,
     filesystem_of,
     finish,
+    first_line,
     memory_gib,
 )
 from kvfs.bench.common import read_text as _read  # noqa: E402
@@ -163,27 +165,6 @@ def guarded(fn: Callable[[], Any], timeout: float, what: str) -> Any:
 # -- conditions ------------------------------------------------------------------------------
 
 
-def busy_cpus(seconds: float = 1.0) -> float:
-    """CPUs kept busy by other processes over ``seconds`` (this one sleeps meanwhile)."""
-    def sample() -> tuple[int, int]:
-        f = [int(x) for x in _read("/proc/stat").splitlines()[0].split()[1:]]
-        return sum(f) - f[3] - f[4], sum(f)
-
-    b0, t0 = sample()
-    time.sleep(seconds)
-    b1, t1 = sample()
-    return round((b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), 2)
-
-
-def _first_line(argv: list[str]) -> str | None:
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    text = (res.stdout or res.stderr).strip()
-    return text.splitlines()[0] if res.returncode == 0 and text else None
-
-
 def _module_version(name: str) -> str | None:
     try:
         module = __import__(name)
@@ -193,7 +174,7 @@ def _module_version(name: str) -> str | None:
 
 
 def conditions(dirs: dict[str, str]) -> dict[str, Any]:
-    commit = _first_line(["git", "-C", REPO, "rev-parse", "--short", "HEAD"])
+    commit = first_line(["git", "-C", REPO, "rev-parse", "--short", "HEAD"])
     dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "kvfs"],
                            capture_output=True, text=True).stdout.split("\n")
     return {
@@ -213,7 +194,7 @@ def conditions(dirs: dict[str, str]) -> dict[str, Any]:
         "kvfs": kvfs.__version__,
         "kvfs_commit": commit,
         "kvfs_local_changes": [line[3:] for line in dirty if line.strip()],
-        "weed": _first_line([weed_binary() or "weed", "version"]),
+        "weed": first_line([weed_binary() or "weed", "version"]),
         "root": os.getuid() == 0,
         "page_cache": "warm (never dropped)",
         "other_busy_cpus_before": busy_cpus(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import time
 from typing import Any
@@ -30,6 +31,44 @@ def memory_gib() -> float:
         if line.startswith("MemTotal:"):
             return round(int(line.split()[1]) / 2**20, 1)
     return 0.0
+
+
+#: Writing 1 drops the page cache, 2 dentries and inodes, 3 both (root only).
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may drop the kernel's caches (cold-cache figures need it)."""
+    if os.getuid() != 0:
+        return False
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("1")
+    except OSError:
+        return False
+    return True
+
+
+def busy_cpus(seconds: float = 1.0) -> float:
+    """CPUs kept busy by other processes over ``seconds`` (this one sleeps meanwhile)."""
+    def sample() -> tuple[int, int]:
+        f = [int(x) for x in read_text("/proc/stat").splitlines()[0].split()[1:]]
+        return sum(f) - f[3] - f[4], sum(f)
+
+    b0, t0 = sample()
+    time.sleep(seconds)
+    b1, t1 = sample()
+    return round((b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), 2)
+
+
+def first_line(argv: list[str]) -> str | None:
+    """The first line a command prints (a version, a commit), None if it fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = (res.stdout or res.stderr).strip().splitlines()
+    return out[0] if res.returncode == 0 and out else None
 
 
 def filesystem_of(path: str) -> dict[str, Any]:

@@ -45,7 +45,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from .common import conditions, read_text
+from .common import (
+    DROP_CACHES,
+    busy_cpus,
+    can_drop_caches,
+    conditions,
+    first_line,
+    read_text,
+)
 
 MiB = 1 << 20
 TENANT = "bench"
@@ -57,7 +64,6 @@ PATHS = ("raw", "fio", "direct", "direct-sampled", "mount", "torch.load")
 TARGET_X_RAW = 0.9  # direct load at least this fraction of raw preadv
 TARGET_CONTROL_MS = 1.0  # per 64-block lookup + load
 CONTROL_BLOCKS = 64
-_DROP = "/proc/sys/vm/drop_caches"
 
 
 def _log(msg: str) -> None:
@@ -79,38 +85,6 @@ def percentile(xs: Sequence[float], q: float) -> float:
 # -- conditions and the page cache -------------------------------------------------------------
 
 
-def busy_cpus(seconds: float = 1.0) -> float:
-    """CPUs kept busy by other processes over ``seconds`` (this one sleeps meanwhile)."""
-    def sample() -> tuple[int, int]:
-        f = [int(x) for x in read_text("/proc/stat").splitlines()[0].split()[1:]]
-        return sum(f) - f[3] - f[4], sum(f)
-
-    b0, t0 = sample()
-    time.sleep(seconds)
-    b1, t1 = sample()
-    return round((b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), 2)
-
-
-def _first_line(argv: list[str]) -> str | None:
-    try:
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    out = (res.stdout or res.stderr).strip().splitlines()
-    return out[0] if res.returncode == 0 and out else None
-
-
-def can_drop_caches() -> bool:
-    if os.getuid() != 0:
-        return False
-    try:
-        with open(_DROP, "w") as f:
-            f.write("1")
-    except OSError:
-        return False
-    return True
-
-
 def _cpu_ticks(pid: int) -> int:
     fields = read_text(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
     return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
@@ -120,7 +94,7 @@ def drop_caches(daemon_pid: int) -> None:
     """``sync; echo 3 > drop_caches``, then wait until the daemon has handled the FORGETs
     that dropping the kernel's inodes sends it."""
     os.sync()
-    with open(_DROP, "w") as f:
+    with open(DROP_CACHES, "w") as f:
         f.write("3")
     last, t = _cpu_ticks(daemon_pid), time.monotonic()
     while time.monotonic() - t < 30:
@@ -601,7 +575,7 @@ def _commit() -> str | None:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if not os.path.isdir(os.path.join(here, ".git")):
         return None
-    return _first_line(["git", "-C", here, "rev-parse", "--short", "HEAD"])
+    return first_line(["git", "-C", here, "rev-parse", "--short", "HEAD"])
 
 
 def run(args: Any) -> dict[str, Any]:
@@ -615,7 +589,7 @@ def run(args: Any) -> dict[str, Any]:
     # The work directory is temporary: name its filesystem, not its path.
     cond["filesystems"] = {"work": cond["filesystems"][work]}
     cond.update(root=os.getuid() == 0, cold_cache=args.cold, kvfs_commit=_commit(),
-                fio=_first_line(["fio", "--version"]) if shutil.which("fio") else None,
+                fio=first_line(["fio", "--version"]) if shutil.which("fio") else None,
                 other_busy_cpus_before=busy_cpus())
     params = {k: getattr(args, k) for k in ("sizes", "threads", "total_mib", "request_mib",
                                             "repeats", "warm_repeats", "control_requests",
