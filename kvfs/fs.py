@@ -177,6 +177,7 @@ class Operations(pyfuse3.Operations):
         self.limits: dict[int, Limits] = {}
         self.policies: dict[int, Policy] = {}
         self.evicting: set[int] = set()
+        self._cold_floor: dict[int, int] = {}  # tenant -> cold files a scan could not evict
         self.orphans: set[int] = set()  # unlinked inodes the kernel or an open file still holds
         self._atimes: dict[tuple[int, bytes], int] = {}  # (ns, hash) -> atime, not yet written
         self.serving = False  # the kernel connection is up (set once the session runs)
@@ -265,14 +266,17 @@ class Operations(pyfuse3.Operations):
         p = self.policies.get(tenant)
         return self.stats.tenant_files(tenant) - (len(p) if p is not None else 0)
 
-    def _cold_victims(self, tenant: int, need: int, chosen: list[Node]) -> int:
+    def _cold_victims(self, tenant: int, need: int, chosen: list[Node], cold: int) -> int:
         """Choose cold files of a tenant, least recently accessed first, until `need` bytes;
-        returns the bytes chosen. Files the policy holds are skipped: it orders those."""
+        returns the bytes chosen. Files the policy holds are skipped: it orders those. A scan
+        that runs out remembers how many cold files it could not take (`_cold_floor`), so
+        that the next eviction does not scan the tenant's files again for nothing."""
         policy = self.policies.get(tenant)
-        freed, after = 0, (-1, 0)
+        freed, after, taken = 0, (-1, 0), 0
         while freed < need:
             rows = self.index.coldest(tenant, after, 256)
             if not rows:
+                self._cold_floor[tenant] = cold - taken
                 break
             for node in rows:
                 after = (node.atime_ns, node.inode)
@@ -281,6 +285,7 @@ class Operations(pyfuse3.Operations):
                         or (policy is not None and self._pkey(node) in policy)):
                     continue
                 chosen.append(node)
+                taken += 1
                 freed += node.size
                 if freed >= need:
                     break
@@ -361,8 +366,12 @@ class Operations(pyfuse3.Operations):
             set(self.policies) | {t for t, _ in self.stats.by_ns},
             key=lambda t: -self._pressure(t))
         for t in tenants:
-            if self._cold(t) > 0:  # files without policy state go first
-                freed += self._cold_victims(t, need - freed, chosen)
+            cold = self._cold(t)
+            # Files without policy state go first, unless a scan has just found that the
+            # cold files left cannot be evicted (pinned, open, a manifest).
+            floor = self._cold_floor[t] = min(self._cold_floor.get(t, 0), cold)
+            if cold > floor:
+                freed += self._cold_victims(t, need - freed, chosen, cold)
                 if freed >= need:
                     break
             policy = self.policies.get(t)
@@ -375,10 +384,11 @@ class Operations(pyfuse3.Operations):
                 if inode in self.open_files or inode in self.evicting:
                     continue  # being read or written: never evicted
                 node = self.index.find(inode) if inode is not None else None
-                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or (
-                        node.tier or self._is_manifest(node)):
+                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
                     stale.append(key)
                     continue
+                if self._is_manifest(node):
+                    continue  # kept, and kept in the policy (not made cold)
                 # Out of the policy at once, so that its parent may become the next victim.
                 policy.remove(key)
                 chosen.append(node)
