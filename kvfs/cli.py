@@ -225,6 +225,10 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
              f"pid {stats['pid']}",
              f"hot: {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
              f"{stats['files']} files, {stats['open_files']} open"]
+    left = stats.get("indexing", {}).get("directories_left", 0)
+    if left:
+        lines.append(f"indexing the backing tree: {stats['indexing']['entries_indexed']} "
+                     f"entries so far, {left} directories left (usage counts what is indexed)")
     for t in stats.get("tiers", []):
         lines.append(f"{t['name']}: {t['url']}  holds {t['known_files']} blocks of this host "
                      f"({human(t['known_bytes'])})  circuit {t['circuit']}  hits {t['hits']}  "

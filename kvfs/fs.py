@@ -19,7 +19,7 @@ import os
 import re
 import stat
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -28,7 +28,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
-from . import __version__, blockfile, control, hashing
+from . import __version__, blockfile, control, fsck, hashing
 from .audit import Audit
 from .capacity import Budget, Limits, quota_overflow
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
@@ -187,6 +187,11 @@ class Operations(pyfuse3.Operations):
         # (parent, name) of recent failed lookups -> [first seen, lookups since]
         self._recent_misses: OrderedDict[tuple[int, bytes], list[float]] = OrderedDict()
         self._nursery: trio.Nursery | None = None
+        # Directories of an adopted tree whose entries are not indexed yet (see _listed).
+        self.unlisted: set[int] = set(index.unlisted())
+        self._to_list: deque[int] = deque(sorted(self.unlisted))
+        self._listing: dict[int, trio.Event] = {}
+        self.reconciler = fsck.Reconciler(index, store, verify=False, progress=None)
         self._load_policies()
 
     # -- background work ------------------------------------------------------------------
@@ -313,8 +318,99 @@ class Operations(pyfuse3.Operations):
             nursery.start_soon(self._evict_loop)
             nursery.start_soon(self._retention_loop)
             nursery.start_soon(self._atime_loop)
+            nursery.start_soon(self._index_loop)
             if self.tiering is not None:
                 nursery.start_soon(self.tiering.run)
+
+    # -- indexing an adopted tree ------------------------------------------------------------
+
+    async def _listed(self, inode: int) -> None:
+        """Make sure the index holds a directory's entries. A tree adopted at its first mount
+        is indexed a directory at a time: here, when a request first names something in one
+        (lookup, readdir, create, rename, a control command), and in the background. A
+        request that needs a directory being listed waits for that listing."""
+        while inode in self.unlisted:
+            busy = self._listing.get(inode)
+            if busy is not None:
+                await busy.wait()
+                continue
+            done = self._listing[inode] = trio.Event()
+            try:
+                await self._list_dir(inode)
+            finally:
+                del self._listing[inode]
+                done.set()
+
+    #: Entries indexed per transaction; requests are served between two.
+    LIST_CHUNK = 2048
+
+    async def _list_dir(self, inode: int) -> None:
+        node = self.index.find(inode)
+        if node is None or node.parent == ORPHAN_PARENT or not node.is_dir:
+            self.index.mark_listed(inode)  # gone, or moved over meanwhile
+            self.unlisted.discard(inode)
+            return
+        drel = self._path(node)
+        try:
+            listing = await self._io(self.reconciler.prepare, drel)
+        except FileNotFoundError:
+            listing = fsck.Listing([], False, {})  # gone behind our back: nothing to index
+        except OSError as exc:
+            log.error("cannot list %s in the backing directory: %s",
+                      drel.decode(errors="replace"), exc)
+            raise FUSEError(errno.EIO) from None
+        known = self.reconciler.known(node)
+        before = set(known)
+        for start in range(0, len(listing.entries), self.LIST_CHUNK):
+            subdirs: list[tuple[Node, bytes]] = []
+            with self.index.transaction():
+                rows = self.reconciler.walk_entries(
+                    node, drel, listing, subdirs, known,
+                    listing.entries[start:start + self.LIST_CHUNK])
+                new = [d.inode for d, _ in subdirs if d.name not in before]
+                self.index.mark_unlisted(new)
+            self.unlisted.update(new)
+            self._to_list.extend(new)
+            for row in rows:  # (parent, name, mode, uid, gid, size, ..., tenant, ns, ...)
+                if stat.S_ISREG(row[2]):
+                    self.stats.account((row[9], row[10]), 1, row[5])
+            await trio.sleep(0)  # serve what waits between two chunks
+        with self.index.transaction():
+            # Known before (a listing cut short by a crash) and gone from the tree since.
+            self.reconciler.drop_missing(drel, known)
+            self.index.mark_listed(inode)
+        self.unlisted.discard(inode)
+        if self.budget.excess(self.stats.used_bytes):
+            self._wake_evictor()
+
+    async def _index_loop(self) -> None:
+        """Index the directories of an adopted tree that no request has named yet: two
+        listings at a time (one reads the backing tree while the other writes the index)."""
+        if not self.unlisted:
+            return
+        start, report = time.monotonic(), self.reconciler.report
+        log.info("indexing the backing tree: %d directories to list", len(self.unlisted))
+
+        async def worker() -> None:
+            last = 0
+            while self._to_list:
+                inode = self._to_list.popleft()
+                try:
+                    await self._listed(inode)
+                except FUSEError:
+                    pass  # logged; a request that names it tries again
+                if report.entries - last >= 100000:
+                    last = report.entries
+                    log.info("indexing the backing tree: %d entries, %d directories left",
+                             report.entries, len(self.unlisted))
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(2):
+                nursery.start_soon(worker)
+        log.info("indexed the backing tree: %s (%d directories could not be listed)",
+                 report.summary().replace(f"{report.seconds:.1f} s",
+                                          f"{time.monotonic() - start:.1f} s"),
+                 len(self.unlisted))
 
     def _wake_evictor(self) -> None:
         if self._evict_wanted is not None:
@@ -703,6 +799,7 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             node = self.index.get(self.index.get(parent_inode).parent)
         else:
+            await self._listed(parent_inode)
             found = self.index.lookup(parent_inode, name)
             if found is None:
                 found = await self._lookup_below(parent_inode, name)
@@ -884,6 +981,7 @@ class Operations(pyfuse3.Operations):
     async def opendir(self, inode: int, ctx: Any) -> int:
         if inode != VDIR and not self.index.get(inode).is_dir:
             raise FUSEError(errno.ENOTDIR)
+        await self._listed(inode)
         return inode
 
     @handler
@@ -919,6 +1017,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any
                     ) -> pyfuse3.EntryAttributes:
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=True, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         if parent.mode & stat.S_ISGID:
@@ -937,11 +1036,13 @@ class Operations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode == ROOT_INODE and name == VDIR_NAME or parent_inode == VDIR:
             raise FUSEError(errno.EPERM)
+        await self._listed(parent_inode)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
         if not node.is_dir:
             raise FUSEError(errno.ENOTDIR)
+        await self._listed(node.inode)
         if self.index.has_children(node.inode):
             raise FUSEError(errno.ENOTEMPTY)
         try:
@@ -985,6 +1086,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         gid = self._owner_gid(parent, ctx)
@@ -1263,6 +1365,7 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode in (VDIR, VSTATS, VVERSION):
             raise FUSEError(errno.EPERM)
+        await self._listed(parent_inode)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1286,6 +1389,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any
                       ) -> pyfuse3.EntryAttributes:
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
@@ -1310,6 +1414,8 @@ class Operations(pyfuse3.Operations):
                 ROOT_INODE in (parent_old, parent_new) and VDIR_NAME in (name_old, name_new)):
             raise FUSEError(errno.EPERM)
         _check_name(name_new)
+        await self._listed(parent_old)
+        await self._listed(parent_new)
         node = self.index.lookup(parent_old, name_old)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1317,6 +1423,9 @@ class Operations(pyfuse3.Operations):
         if not new_parent.is_dir:
             raise FUSEError(errno.ENOTDIR)
         target = self.index.lookup(parent_new, name_new)
+        if target is not None and target.is_dir:
+            await self._listed(target.inode)  # replaced only if empty
+            target = self.index.lookup(parent_new, name_new)
         at_top = (parent_old == ROOT_INODE, parent_new == ROOT_INODE)
         if at_top == (True, True):
             if not TENANT_RE.match(name_new):
@@ -1511,11 +1620,14 @@ class Operations(pyfuse3.Operations):
         op = name.decode().rpartition(".")[2]
         blocks = len(value) // control.HASH_LEN if name != control.ACCESS else 0
         self._audit(ctx.uid, ctx.pid, dnode, op, blocks=blocks)
+        await self._listed(dnode.inode)
         try:
             if name == control.PUBLISH:
                 await self._publish(dnode, control.unpack_hashes(value), ctx)
             elif name == control.ACCESS:
-                self._access(dnode, control.Access.unpack(value))
+                access = control.Access.unpack(value)
+                await self._listed_fans(dnode, access.hashes)
+                self._access(dnode, access)
             elif name == control.CORRUPT:
                 await self._corrupt(dnode, control.unpack_hashes(value))
             elif name == control.FETCH:
@@ -1526,6 +1638,15 @@ class Operations(pyfuse3.Operations):
         except control.ControlError as exc:
             log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
             raise FUSEError(errno.EINVAL) from None
+
+    async def _listed_fans(self, dnode: Node, hashes: list[bytes]) -> None:
+        """Make sure the fan-out directories of these blocks are indexed (see _listed)."""
+        if not self.unlisted:
+            return
+        for fan in sorted({h[:1].hex().encode() for h in hashes}):
+            fnode = self.index.lookup(dnode.inode, fan)
+            if fnode is not None:
+                await self._listed(fnode.inode)
 
     def _inspect_blocks(self, dpath: bytes, rels: list[bytes]
                         ) -> list[tuple[Any, os.stat_result | None, bool]]:
@@ -1548,6 +1669,7 @@ class Operations(pyfuse3.Operations):
 
     async def _publish(self, dnode: Node, hashes: list[bytes], ctx: Any) -> None:
         """Index blocks that a client wrote and renamed into place below `dnode`."""
+        await self._listed_fans(dnode, hashes)
         dpath = self._path(dnode)
         rels = [self._join(dpath, hashing.block_relpath(h).encode()) for h in hashes]
         fans = sorted({h[:1].hex().encode() for h in hashes})
@@ -1627,6 +1749,7 @@ class Operations(pyfuse3.Operations):
         background, and serve the next request."""
         if self.tiering is None or not self.tiering.reachable():
             return  # no tiers, or every tier's circuit is open: misses, at once
+        await self._listed_fans(dnode, hashes)
         if budget is not None and self._nursery is not None:
             done = trio.Event()
 
@@ -1693,6 +1816,7 @@ class Operations(pyfuse3.Operations):
 
     async def _corrupt(self, dnode: Node, hashes: list[bytes]) -> None:
         """A client found these blocks bad: check, and quarantine the ones that are."""
+        await self._listed_fans(dnode, hashes)
         for h in hashes:
             node = self.index.find_block(dnode.ns, h)
             if node is None:
@@ -1761,6 +1885,10 @@ class Operations(pyfuse3.Operations):
                        "entries": sum(len(p) for p in self.policies.values())},
             "tenants": self.stats.render(names),
             "tiers": self._tiers_snapshot(),
+            # A tree adopted at its first mount until every directory is indexed: usage and
+            # eviction see only what is indexed so far.
+            "indexing": {"directories_left": len(self.unlisted),
+                         "entries_indexed": self.reconciler.report.entries},
         }
 
     def _tiers_snapshot(self) -> list[dict[str, Any]]:

@@ -1,7 +1,10 @@
 """Reconcile the index with the backing tree, which is the truth.
 
 Run by `kvfs fsck BACKING_DIR` on an unmounted backing directory, and by the mount itself
-(the quick form) after an unclean stop. It:
+(the quick form) after an unclean stop. A tree the index has never seen is adopted instead
+(`adopt`): the mount lists its top level and serves at once, and the daemon indexes every
+other directory with the same checks when a request first names something in it, or in the
+background (`Reconciler.prepare` off the event loop, `walk_entries` on it). It:
 
 - drops orphans (nodes the kernel still held when the daemon died);
 - removes files that were open for writing when the daemon died (half-written, never complete)
@@ -80,6 +83,19 @@ class FsckReport:
 
 Progress = Callable[[int], None]
 
+
+@dataclass
+class Listing:
+    """One directory as the backing tree has it: its entries with their lstat and whether it
+    holds pins; from `Reconciler.prepare` also what indexing them reads from the files (block
+    headers, link targets, pins), read off the event loop, temporaries already removed."""
+
+    entries: list[tuple[bytes, os.stat_result]]
+    pins: bool
+    blocks: dict[bytes, tuple[bytes, bytes] | None | bool] | None = None
+    targets: dict[bytes, bytes] = field(default_factory=dict)
+    pinned: set[bytes] = field(default_factory=set)
+
 #: A thread reads the next directories (listing, lstat) while one is indexed, so that a
 #: cold walk waits less on the disk; more threads only contend for the interpreter.
 SCAN_THREADS = 1
@@ -88,12 +104,16 @@ SCAN_AHEAD = 8
 
 class Reconciler:
     def __init__(self, index: Index, store: BackingStore, *, verify: bool,
-                 progress: Progress | None) -> None:
+                 progress: Progress | None, lazy: bool = False) -> None:
         self.index = index
         self.store = store
         self.verify = verify
         self.progress = progress
         self.report = FsckReport()
+        #: lazy: leave directories that were never listed to the mount (it lists them on
+        #: demand); else list them now, like any other.
+        self.lazy = lazy
+        self.unlisted = set(index.unlisted())
 
     @staticmethod
     def _show(rel: bytes) -> str:
@@ -139,22 +159,31 @@ class Reconciler:
         self.report.dropped.add(self._show(rel))
 
     def add(self, parent: Node, name: bytes, rel: bytes, st: os.stat_result,
-            batch: list[tuple] | None = None, pins: bool = True) -> Node | None:
+            batch: list[tuple] | None = None, pins: bool = True,
+            pre: Listing | None = None) -> Node | None:
         """Index a new entry. Files and symlinks go into `batch` (inserted with one statement
-        per directory); a directory is inserted at once (its children need its inode)."""
+        per directory); a directory is inserted at once (its children need its inode).
+        What `pre` read already is not read again."""
         target = None
         if stat.S_ISLNK(st.st_mode):
-            target = os.readlink(self.store.path(rel))
+            target = (pre.targets[name] if pre is not None
+                      else os.readlink(self.store.path(rel)))
         elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             log.warning("ignoring %s: not a file, directory or symlink", self._show(rel))
             return None
-        block = self.check_block(rel, name) if stat.S_ISREG(st.st_mode) else None
+        block = None
+        if stat.S_ISREG(st.st_mode):
+            block = (pre.blocks.get(name) if pre is not None and pre.blocks is not None
+                     else self.check_block(rel, name))
         if block is False:
             return None
         tenant = parent.tenant if parent.inode != ROOT_INODE else 0
         ns = parent.ns if parent.inode != parent.tenant else 0
         if batch is not None and not stat.S_ISDIR(st.st_mode):
-            pinned = pins and stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel)
+            if pre is not None:
+                pinned = name in pre.pinned
+            else:
+                pinned = pins and stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel)
             size = len(target) if target is not None else st.st_size
             batch.append((parent.inode, name, st.st_mode, st.st_uid, st.st_gid, size,
                           st.st_mtime_ns, st.st_mtime_ns, target, tenant, ns,
@@ -170,12 +199,13 @@ class Reconciler:
             mtime_ns=st.st_mtime_ns)
         if block:
             self.index.update(node.inode, block_hash=block[0], parent_hash=block[1])
-        if stat.S_ISREG(st.st_mode) and self.store.is_pinned(rel):
+        if stat.S_ISREG(st.st_mode) and (name in pre.pinned if pre is not None
+                                         else self.store.is_pinned(rel)):
             self.index.update(node.inode, pinned=1)
         self.report.added.add(self._show(rel))
         return node
 
-    def scan(self, drel: bytes) -> tuple[list[tuple[bytes, os.stat_result]], bool]:
+    def scan(self, drel: bytes) -> Listing:
         """Thread: a directory's entries with their lstat, and whether it holds pins. An
         entry that vanishes meanwhile is left out (the next fsck sees the tree as it is)."""
         out = []
@@ -185,7 +215,35 @@ class Reconciler:
                     out.append((entry.name, entry.stat(follow_symlinks=False)))
                 except FileNotFoundError:
                     continue
-        return out, self.store.has_pins(drel)  # no pins: no file here is asked for its pin
+        return Listing(out, self.store.has_pins(drel))  # no pins: no file is asked for one
+
+    def prepare(self, drel: bytes) -> Listing:
+        """Thread (the mount's on-demand listing): scan a directory and read what indexing
+        its entries needs, so that the event loop only writes the index. Temporaries are
+        removed here; bad blocks are quarantined here."""
+        listing = self.scan(drel)
+        listing.blocks = {}
+        kept = []
+        for name, st in listing.entries:
+            if not drel and name == STATE_DIR:
+                continue
+            rel = drel + b"/" + name if drel else name
+            try:
+                if name.startswith(TEMP_PREFIX):
+                    os.unlink(self.store.path(rel))
+                    self.report.removed_temp.add(self._show(rel))
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    listing.blocks[name] = self.check_block(rel, name)
+                    if listing.pins and self.store.is_pinned(rel):
+                        listing.pinned.add(name)
+                elif stat.S_ISLNK(st.st_mode):
+                    listing.targets[name] = os.readlink(self.store.path(rel))
+            except FileNotFoundError:
+                continue  # gone meanwhile
+            kept.append((name, st))
+        listing.entries = kept
+        return listing
 
     def walk(self) -> None:
         root = ensure_root(self.index, os.lstat(self.store.root))
@@ -200,15 +258,32 @@ class Reconciler:
                 for _, ahead in stack[-SCAN_AHEAD:]:
                     if ahead not in scans:
                         scans[ahead] = pool.submit(self.scan, ahead)
-                self.walk_dir(dnode, drel, *pending.result(), stack)
+                self.walk_dir(dnode, drel, pending.result(), stack)
+                if dnode.inode in self.unlisted:
+                    self.index.mark_listed(dnode.inode)
 
-    def walk_dir(self, dnode: Node, drel: bytes, entries: list[tuple[bytes, os.stat_result]],
-                 pins: bool, stack: list[tuple[Node, bytes]]) -> None:
+    def walk_dir(self, dnode: Node, drel: bytes, listing: Listing,
+                 stack: list[tuple[Node, bytes]]) -> None:
         """Reconcile one directory's entries; push its subdirectories onto `stack`."""
-        # What the index has here, whole rows in one query (not one query per entry).
-        known = {n.name: n for n in self.index.children(dnode.inode, limit=1 << 62)}
+        known = self.known(dnode)
+        self.walk_entries(dnode, drel, listing, stack, known)
+        self.drop_missing(drel, known)
+
+    def known(self, dnode: Node) -> dict[bytes, Node]:
+        """What the index has in a directory, whole rows in one query (not one per entry)."""
+        return {n.name: n for n in self.index.children(dnode.inode, limit=1 << 62)}
+
+    def walk_entries(self, dnode: Node, drel: bytes, listing: Listing,
+                     stack: list[tuple[Node, bytes]], known: dict[bytes, Node],
+                     entries: list[tuple[bytes, os.stat_result]] | None = None
+                     ) -> list[tuple]:
+        """Reconcile `entries` (default: all) of a directory with the index's `known` rows
+        (each found is taken out of `known`); push subdirectories onto `stack` (with `lazy`,
+        not those left to the mount). Returns the rows of the files and links it added."""
+        pins = listing.pins
+        pre = listing if listing.blocks is not None else None
         batch: list[tuple] = []
-        for name, st in entries:
+        for name, st in listing.entries if entries is None else entries:
             if dnode.inode == ROOT_INODE and name == STATE_DIR:
                 continue
             rel = drel + b"/" + name if drel else name
@@ -231,14 +306,18 @@ class Reconciler:
                     log.warning("ignoring %s: only tenant directories live at the top",
                                 self._show(rel))
                     continue
-                node = self.add(dnode, name, rel, st, batch, pins)
+                node = self.add(dnode, name, rel, st, batch, pins, pre)
                 if node is None:
                     continue
             elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
                 self.refresh(node, rel, st)
-            if stat.S_ISDIR(st.st_mode):
+            if stat.S_ISDIR(st.st_mode) and not (self.lazy and node.inode in self.unlisted):
                 stack.append((node, rel))
         self.index.insert_many(batch)
+        return batch
+
+    def drop_missing(self, drel: bytes, known: dict[bytes, Node]) -> None:
+        """Drop what the index has in a directory and the backing tree no longer has."""
         for name, node in known.items():
             if not node.tier:  # lower-tier blocks have no local file
                 self.drop_subtree(node, drel + b"/" + name if drel else name)
@@ -280,14 +359,30 @@ class Reconciler:
 
 
 def reconcile(index: Index, store: BackingStore, *, verify: bool = False,
-              progress: Progress | None = None) -> FsckReport:
-    """Bring the index in line with the backing tree; return what changed."""
+              progress: Progress | None = None, lazy: bool = False) -> FsckReport:
+    """Bring the index in line with the backing tree; return what changed. With `lazy` (the
+    mount's quick form) directories never listed are left to the mount, which lists them."""
     start = time.monotonic()
-    r = Reconciler(index, store, verify=verify, progress=progress)
+    r = Reconciler(index, store, verify=verify, progress=progress, lazy=lazy)
     bulk = contextlib.nullcontext() if index.has_entries() else index.bulk_load()
     with bulk, index.transaction():
         r.report.orphans = index.purge_orphans()
         r.remove_partial()
         r.walk()
+    r.report.seconds = time.monotonic() - start
+    return r.report
+
+
+def adopt(index: Index, store: BackingStore) -> FsckReport:
+    """The first mount of a backing tree (an index that holds nothing yet): index its top
+    level, the tenants, and leave every tenant directory to be listed by the mount, on
+    demand and in the background. A million-file tree mounts in the time of one directory."""
+    start = time.monotonic()
+    r = Reconciler(index, store, verify=False, progress=None)
+    with index.transaction():
+        root = ensure_root(index, os.lstat(store.root))
+        tenants: list[tuple[Node, bytes]] = []
+        r.walk_dir(root, b"", r.prepare(b""), tenants)
+        index.mark_unlisted([t.inode for t, _ in tenants])
     r.report.seconds = time.monotonic() - start
     return r.report

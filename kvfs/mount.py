@@ -90,10 +90,17 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     """Lock the backing directory and bring the index up to date."""
     store, lock_fd = open_state_dir(opts.backing)
     index = open_index(store)
-    if index.get_meta("clean") != "1":
+    if index.get_meta("clean") != "1" and not index.has_entries():
+        # A tree this index never saw (a first mount, an index deleted): serve it at once,
+        # indexing a directory when a request first names something in it, the rest in the
+        # background. The top level (the tenants) is indexed now.
+        report = fsck.adopt(index, store)
+        log.info("adopting %s: %d tenants indexed, their directories indexed on demand and "
+                 "in the background", opts.backing, report.added.count)
+    elif index.get_meta("clean") != "1":
         log.info("index of %s was not closed cleanly: reconciling with the backing tree",
                  opts.backing)
-        report = fsck.reconcile(index, store,
+        report = fsck.reconcile(index, store, lazy=True,
                                 progress=lambda n: log.info("fsck: %d entries", n))
         log.info("fsck: %s", report.summary())
     else:

@@ -265,3 +265,209 @@ def test_random_sequences_match_a_model(tmp_path_factory, seq):
     report = fsck.reconcile(index, store)
     assert report.changes == 0, report.summary()
     index.close()
+
+
+# -- a tree adopted at its first mount: indexed a directory at a time ---------------------
+
+
+def _foreign_tree(backing) -> dict:
+    """A backing tree no index has seen: a tenant with a model namespace of blocks (one of
+    them bad), plain files, a symlink, a temporary and nested directories."""
+    from kvfs import blockfile, hashing
+    from kvfs.store import TEMP_PREFIX
+
+    ns = backing / "acme" / "llama@0123456789abcdef"
+    blocks = []
+    parent = hashing.ROOT_PARENT
+    for i in range(3):
+        h = hashing.block_hashes([i] * 16, 16, parent=parent)[0]
+        data = blockfile.encode(block_hash=h, parent_hash=parent, fingerprint=bytes(16),
+                                token_count=16, dtype="uint8", shape=(100,),
+                                payload=bytes([i]) * 100)
+        path = ns / hashing.block_relpath(h)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        blocks.append((h, path))
+        parent = h
+    bad = ns / "ee" / ("ee" * 16 + ".kv")
+    bad.parent.mkdir()
+    bad.write_bytes(b"not a block")
+    deep = backing / "acme" / "a" / "b" / "c"
+    deep.mkdir(parents=True)
+    for k in range(50):
+        (deep / f"f{k}").write_bytes(b"x" * k)
+    (backing / "acme" / "a" / (TEMP_PREFIX.decode() + "half")).write_bytes(b"half")
+    os.symlink("b/c/f1", backing / "acme" / "a" / "link")
+    files = 3 + 50
+    size = sum(p.stat().st_size for _, p in blocks) + sum(range(50))
+    return {"ns": ns, "blocks": blocks, "bad": bad, "files": files, "bytes": size}
+
+
+@pytest.fixture
+def adopted(tmp_path):
+    backing = tmp_path / "backing"
+    (backing / ".kvfs").mkdir(parents=True)
+    tree = _foreign_tree(backing)
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    report = fsck.adopt(index, store)
+    assert report.added.count == 1  # the tenant; nothing below it yet
+    o = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None))
+    yield o, tree
+    index.close()
+
+
+def _walk(ops, inode=ROOT_INODE, path=b""):
+    """Every path below `inode` through the handlers, as `find` would see it."""
+    async def go():
+        out = []
+
+        async def rec(ino, prefix):
+            fh = await ops.opendir(ino, ROOT)
+            names = []
+
+            class Tok:
+                pass
+
+            orig = pyfuse3.readdir_reply
+            try:
+                pyfuse3.readdir_reply = lambda tok, name, attrs, off: names.append(
+                    (name, attrs)) or True
+                await ops.readdir(fh, 0, Tok())
+            finally:
+                pyfuse3.readdir_reply = orig
+            for name, attrs in names:
+                if name == b".kvfs":
+                    continue
+                p = prefix + b"/" + name if prefix else name
+                out.append(p)
+                if stat.S_ISDIR(attrs.st_mode):
+                    await rec(attrs.st_ino, p)
+
+        await rec(inode, path)
+        return sorted(out)
+
+    return run(go)
+
+
+def test_adopted_tree_is_listed_when_first_named(adopted):
+    from kvfs.store import TEMP_PREFIX
+
+    ops, tree = adopted
+    tenant = ops.index.lookup(ROOT_INODE, b"acme")
+    assert ops.unlisted == {tenant.inode}
+    assert ops.stats.total_files == 0  # nothing below the tenant is indexed yet
+
+    async def go():
+        # A lookup lists the directory it looks in, and only that one.
+        ns = await ops.lookup(tenant.inode, b"llama@0123456789abcdef", ROOT)
+        assert ns.st_ino in ops.unlisted and tenant.inode not in ops.unlisted
+        a = ops.index.lookup(tenant.inode, b"a")
+        # The temporary is gone, the symlink is indexed with its target.
+        assert {n.name for n in ops.index.children(a.inode)} == set()  # a: not yet listed
+        link = await ops.lookup(a.inode, b"link", ROOT)
+        assert await ops.readlink(link.st_ino, ROOT) == b"b/c/f1"
+        assert ops.index.lookup(a.inode, TEMP_PREFIX + b"half") is None
+        assert not os.path.exists(ops.store.path(b"acme/a/" + TEMP_PREFIX + b"half"))
+        # Creating a name the backing tree has in an unlisted directory: EEXIST.
+        b = ops.index.lookup(a.inode, b"b")
+        c = await ops.lookup(b.inode, b"c", ROOT)
+        assert c.st_ino in ops.unlisted
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.create(c.st_ino, b"f3", 0o644, os.O_WRONLY | os.O_EXCL, ROOT)
+        assert e.value.errno == errno.EEXIST
+        # rmdir of a directory whose entries are not indexed yet: not empty.
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.rmdir(tenant.inode, b"llama@0123456789abcdef", ROOT)
+        assert e.value.errno == errno.ENOTEMPTY
+
+    run(go)
+    listed = ops.stats.total_files
+    assert 50 <= listed < tree["files"]
+    # find sees the whole tree; the bad block is quarantined, never listed.
+    paths = _walk(ops)
+    assert b"acme/a/b/c/f49" in paths and b"acme/a/link" in paths
+    for _h, p in tree["blocks"]:
+        assert str(p.relative_to(p.parents[3])).encode() in paths
+    assert not any(p.endswith(b"ee" * 16 + b".kv") for p in paths)
+    assert not tree["bad"].exists()
+    assert not ops.unlisted and ops.index.unlisted() == []
+    assert ops.stats.total_files == tree["files"]
+    assert ops.stats.used_bytes == tree["bytes"]
+    # The index now equals what a full fsck builds: a full fsck finds nothing to change.
+    report = fsck.reconcile(ops.index, ops.store)
+    assert report.changes == 0, report.summary()
+
+
+def test_adopted_tree_is_indexed_in_the_background(adopted):
+    ops, tree = adopted
+    ops.LIST_CHUNK = 7  # several transactions per directory
+
+    async def go():
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._index_loop)
+            # Requests are served meanwhile, and wait for a directory being listed.
+            t = ops.index.lookup(ROOT_INODE, b"acme")
+            for _ in range(3):
+                await ops.lookup(t.inode, b"a", ROOT)
+
+    run(go)
+    assert not ops.unlisted and ops.index.unlisted() == []
+    assert ops.stats.total_files == tree["files"]
+    assert ops.stats.used_bytes == tree["bytes"]
+    assert ops.snapshot()["indexing"]["directories_left"] == 0
+    assert fsck.reconcile(ops.index, ops.store).changes == 0
+
+
+def test_adoption_cut_short_resumes(tmp_path):
+    """A listing cut short (the daemon killed between two of its transactions) is finished
+    by the next mount: nothing twice, nothing lost; the quick fsck leaves it to the mount."""
+    backing = tmp_path / "backing"
+    (backing / ".kvfs").mkdir(parents=True)
+    tree = _foreign_tree(backing)
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    fsck.adopt(index, store)
+    info = MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None)
+    ops = Operations(index, store, info)
+    c_dir = None
+
+    async def list_part():
+        nonlocal c_dir
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        a = await ops.lookup(t.inode, b"a", ROOT)
+        b = await ops.lookup(a.st_ino, b"b", ROOT)
+        c_dir = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
+        # Half of c's entries indexed, c still marked unlisted: as a crash would leave it.
+        node = ops.index.get(c_dir)
+        listing = ops.reconciler.prepare(ops._path(node))
+        with ops.index.transaction():
+            ops.reconciler.walk_entries(node, ops._path(node), listing, [],
+                                        ops.reconciler.known(node), listing.entries[:20])
+
+    run(list_part)
+    assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
+    report = fsck.reconcile(index, store, lazy=True)  # the mount's quick fsck
+    assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
+    assert report.dropped.count == 0
+    ops2 = Operations(index, store, info)
+    run(ops2._index_loop)
+    assert len(ops2.index.children(c_dir)) == 50 and not ops2.unlisted
+    assert ops2.stats.total_files == tree["files"]
+    assert fsck.reconcile(index, store).changes == 0
+
+
+def test_full_fsck_lists_what_the_mount_left_unlisted(tmp_path):
+    backing = tmp_path / "backing"
+    (backing / ".kvfs").mkdir(parents=True)
+    tree = _foreign_tree(backing)
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    fsck.adopt(index, store)
+    assert fsck.reconcile(index, store, lazy=True).added.count == 0  # left to the mount
+    report = fsck.reconcile(index, store)
+    assert index.unlisted() == [] and report.quarantined.count == 1
+    assert report.removed_temp.count == 1
+    ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing),
+                                             capacity=None))
+    assert ops.stats.total_files == tree["files"] and ops.stats.used_bytes == tree["bytes"]

@@ -9,8 +9,10 @@ beside it:
    the backing files as the physical limit;
 2. metadata: create, stat and `ls -l` of N files in one directory, through the mount and in a
    plain directory of the backing filesystem;
-3. scale: an index of a million files: first mount (the index is built from the tree), second
-   mount (index trusted), lookup latency with a cold kernel cache, the daemon's memory.
+3. scale: an index of a million files: first mount of the tree (the mount serves at once and
+   indexes the tree while serving: the time to serve, lookup latency meanwhile, and the time
+   until every directory is indexed), second mount (index trusted), lookup latency with a
+   cold kernel cache, the daemon's memory.
 
 Usage (as root, for cold-cache figures and FUSE's allow_other):
 
@@ -608,14 +610,27 @@ def bench_scale(args: argparse.Namespace, work: str, cold: bool) -> dict[str, An
     picks = rng.sample(range(n), 2 * k) if 2 * k <= n else [rng.randrange(n)
                                                            for _ in range(2 * k)]
     first, second = picks[:k], picks[k:]
+    during = [rng.randrange(n) for _ in range(min(k, 2000))]
     try:
         cool(3)
         out["mount_first_s"] = m.start()
+        served = time.perf_counter()
+        # Lookups while the tree is being indexed: each names a directory that the request
+        # may have to index first (a listing of n/dirs files), or that the background has.
+        lat = _lookup_latencies([os.path.join(m.mnt, scale_path(i, dirs)) for i in during])
+        out["lookup_mount_indexing"] = percentiles(lat)
+        log(f"first mount (serving at once, indexing the tree meanwhile): "
+            f"{out['mount_first_s']:.2f} s; {len(during)} lookups meanwhile: p50 "
+            f"{out['lookup_mount_indexing']['p50_us']:.0f} us p99 "
+            f"{out['lookup_mount_indexing']['p99_us']:.0f} us")
+        while m.stats()["indexing"]["directories_left"]:
+            time.sleep(0.1)
+        out["index_complete_s"] = out["mount_first_s"] + time.perf_counter() - served
         st = m.stats()
         out["files_indexed"] = st["files"]
         out["rss_after_first_mount_mib"] = m.memory()
-        log(f"first mount (index built from the tree): {out['mount_first_s']:.2f} s, "
-            f"{st['files']} files indexed, daemon RSS "
+        log(f"tree indexed {out['index_complete_s']:.1f} s after the mount began: "
+            f"{st['files']} files, daemon RSS "
             f"{out['rss_after_first_mount_mib']['VmRSS']:.0f} MiB "
             f"(peak {out['rss_after_first_mount_mib']['VmHWM']:.0f} MiB)")
         cool(2)
@@ -755,11 +770,20 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     sc = res.get("scale")
     if sc:
         n = sc["files"]
-        r = Row(f"first mount, {n} files (index built from the tree)", sc["mount_first_s"],
-                sc["walk_find_s"], "s", "find(1) walk + stat of the tree",
+        r = Row(f"first mount, {n} files (serving; the tree indexed meanwhile)",
+                sc["mount_first_s"], sc["walk_find_s"], "s", "find(1) walk + stat of the tree",
                 f"seconds (<= {args.mount_target_s:g} s)")
         r.ok = r.kvfs <= args.mount_target_s
         rows.append(r)
+        if "index_complete_s" in sc:
+            rows.append(Row(f"first mount until every directory is indexed, {n} files",
+                            sc["index_complete_s"], sc["walk_find_s"], "s",
+                            "find(1) walk + stat of the tree"))
+            for p in ("p50", "p99"):
+                rows.append(Row(f"lookup {p} while the tree is being indexed",
+                                sc["lookup_mount_indexing"][f"{p}_us"],
+                                sc["lookup_backing"][f"{p}_us"], "us",
+                                "stat of the same paths on the backing fs"))
         r = Row(f"second mount, {n} files (index trusted)", sc["mount_second_s"],
                 sc["mount_empty_s"], "s", "mount of an empty backing dir",
                 f"seconds (<= {args.mount_target_s:g} s)")
@@ -783,7 +807,7 @@ def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[Row]:
                     f"bounded (<= empty + {args.rss_bound_mib} MiB)")
             r.ok = r.kvfs <= bound
             rows.append(r)
-        r = Row(f"daemon peak RSS (VmHWM) during first mount, {n} files",
+        r = Row(f"daemon peak RSS (VmHWM) during first mount and indexing, {n} files",
                 sc["rss_after_first_mount_mib"]["VmHWM"], sc["rss_empty_mib"]["VmHWM"], "MiB",
                 "peak RSS of an empty mount", f"bounded (<= empty + {args.rss_bound_mib} MiB)")
         r.ok = r.kvfs <= sc["rss_empty_mib"]["VmHWM"] + args.rss_bound_mib
