@@ -342,7 +342,7 @@ class Operations(pyfuse3.Operations):
                 done.set()
 
     #: Entries indexed per transaction; requests are served between two.
-    LIST_CHUNK = 2048
+    LIST_CHUNK = 1024
 
     async def _list_dir(self, inode: int) -> None:
         node = self.index.find(inode)
@@ -362,18 +362,8 @@ class Operations(pyfuse3.Operations):
         known = self.reconciler.known(node)
         before = set(known)
         for start in range(0, len(listing.entries), self.LIST_CHUNK):
-            subdirs: list[tuple[Node, bytes]] = []
-            with self.index.transaction():
-                rows = self.reconciler.walk_entries(
-                    node, drel, listing, subdirs, known,
-                    listing.entries[start:start + self.LIST_CHUNK])
-                new = [d.inode for d, _ in subdirs if d.name not in before]
-                self.index.mark_unlisted(new)
-            self.unlisted.update(new)
-            self._to_list.extend(new)
-            for row in rows:  # (parent, name, mode, uid, gid, size, ..., tenant, ns, ...)
-                if stat.S_ISREG(row[2]):
-                    self.stats.account((row[9], row[10]), 1, row[5])
+            self._index_entries(node, drel, listing, known, before,
+                                listing.entries[start:start + self.LIST_CHUNK])
             await trio.sleep(0)  # serve what waits between two chunks
         with self.index.transaction():
             # Known before (a listing cut short by a crash) and gone from the tree since.
@@ -382,6 +372,45 @@ class Operations(pyfuse3.Operations):
         self.unlisted.discard(inode)
         if self.budget.excess(self.stats.used_bytes):
             self._wake_evictor()
+
+    def _index_entries(self, node: Node, drel: bytes, listing: fsck.Listing,
+                       known: dict[bytes, Node], before: set[bytes],
+                       entries: list[tuple[bytes, os.stat_result]]) -> None:
+        """Index some entries of a listing in one transaction; account the files; mark the
+        new subdirectories unlisted."""
+        subdirs: list[tuple[Node, bytes]] = []
+        with self.index.transaction():
+            rows = self.reconciler.walk_entries(node, drel, listing, subdirs, known, entries)
+            new = [d.inode for d, _ in subdirs if d.name not in before]
+            self.index.mark_unlisted(new)
+        self.unlisted.update(new)
+        self._to_list.extend(new)
+        for row in rows:  # (parent, name, mode, uid, gid, size, ..., tenant, ns, ...)
+            if stat.S_ISREG(row[2]):
+                self.stats.account((row[9], row[10]), 1, row[5])
+
+    async def _named(self, parent_inode: int, name: bytes) -> None:
+        """Make sure the index holds `name` in a directory if the backing tree has it. In a
+        directory not listed yet that costs one lstat (in a thread), not a listing: the
+        entry is indexed alone and the directory stays unlisted (its listing, later, finds
+        the entry known)."""
+        if parent_inode not in self.unlisted:
+            return
+        busy = self._listing.get(parent_inode)
+        if busy is None and self.index.lookup(parent_inode, name) is None:
+            node = self.index.find(parent_inode)
+            if node is None or node.parent == ORPHAN_PARENT or not node.is_dir:
+                return
+            drel = self._path(node)
+            listing = await self._io(self.reconciler.prepare, drel, [name])
+            busy = self._listing.get(parent_inode)
+            if (busy is None and parent_inode in self.unlisted
+                    and self.index.lookup(parent_inode, name) is None):
+                self._index_entries(node, drel, listing, {}, set(), listing.entries)
+        if busy is not None:
+            await busy.wait()  # a listing of the directory was under way: it has the name
+            if parent_inode in self.unlisted:  # ... unless it failed
+                await self._named(parent_inode, name)
 
     async def _index_loop(self) -> None:
         """Index the directories of an adopted tree that no request has named yet: two
@@ -799,7 +828,7 @@ class Operations(pyfuse3.Operations):
         elif name == b"..":
             node = self.index.get(self.index.get(parent_inode).parent)
         else:
-            await self._listed(parent_inode)
+            await self._named(parent_inode, name)
             found = self.index.lookup(parent_inode, name)
             if found is None:
                 found = await self._lookup_below(parent_inode, name)
@@ -1017,7 +1046,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any
                     ) -> pyfuse3.EntryAttributes:
-        await self._listed(parent_inode)
+        await self._named(parent_inode, name)
         parent = self._new_entry(parent_inode, name, is_dir=True, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         if parent.mode & stat.S_ISGID:
@@ -1036,7 +1065,7 @@ class Operations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode == ROOT_INODE and name == VDIR_NAME or parent_inode == VDIR:
             raise FUSEError(errno.EPERM)
-        await self._listed(parent_inode)
+        await self._named(parent_inode, name)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1086,7 +1115,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        await self._listed(parent_inode)
+        await self._named(parent_inode, name)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         gid = self._owner_gid(parent, ctx)
@@ -1365,7 +1394,7 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode in (VDIR, VSTATS, VVERSION):
             raise FUSEError(errno.EPERM)
-        await self._listed(parent_inode)
+        await self._named(parent_inode, name)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1389,7 +1418,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any
                       ) -> pyfuse3.EntryAttributes:
-        await self._listed(parent_inode)
+        await self._named(parent_inode, name)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
@@ -1414,8 +1443,8 @@ class Operations(pyfuse3.Operations):
                 ROOT_INODE in (parent_old, parent_new) and VDIR_NAME in (name_old, name_new)):
             raise FUSEError(errno.EPERM)
         _check_name(name_new)
-        await self._listed(parent_old)
-        await self._listed(parent_new)
+        await self._named(parent_old, name_old)
+        await self._named(parent_new, name_new)
         node = self.index.lookup(parent_old, name_old)
         if node is None:
             raise FUSEError(errno.ENOENT)

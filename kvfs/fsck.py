@@ -217,11 +217,20 @@ class Reconciler:
                     continue
         return Listing(out, self.store.has_pins(drel))  # no pins: no file is asked for one
 
-    def prepare(self, drel: bytes) -> Listing:
-        """Thread (the mount's on-demand listing): scan a directory and read what indexing
-        its entries needs, so that the event loop only writes the index. Temporaries are
-        removed here; bad blocks are quarantined here."""
-        listing = self.scan(drel)
+    def prepare(self, drel: bytes, names: list[bytes] | None = None) -> Listing:
+        """Thread (the mount's on-demand listing): scan a directory (or only `names` in it)
+        and read what indexing its entries needs, so that the event loop only writes the
+        index. Temporaries are removed here; bad blocks are quarantined here."""
+        if names is None:
+            listing = self.scan(drel)
+        else:
+            listing = Listing([], self.store.has_pins(drel))
+            for name in names:
+                try:
+                    listing.entries.append(
+                        (name, self.store.lstat(drel + b"/" + name if drel else name)))
+                except (FileNotFoundError, NotADirectoryError):
+                    continue
         listing.blocks = {}
         kept = []
         for name, st in listing.entries:
