@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -229,9 +230,18 @@ def test_bench_restore_measures_every_path(tmp_path):
     for r in rows:
         assert (r["block_mib"], r["cache"], r["blocks"], r["request_blocks"]) == (1, "warm", 3, 2)
         assert r["gbps"] > 0 and r["x_raw"] > 0 and 0 < r["p50_ms"] <= r["p99_ms"]
-        assert r["requests"] == 4  # 3 blocks, 2 per request, two (warm) runs
-        if r["path"] == "raw":
-            assert r["x_raw"] == 1.0
+        if r["path"] == "raw":  # beside each run of the 4 other paths, in 2 warm rounds
+            assert r["x_raw"] == 1.0 and r["runs"] == 8 and r["requests"] == 16
+        else:
+            assert r["runs"] == 2 and r["requests"] == 4  # 3 blocks, 2 per request
+        if r["path"].startswith("direct"):  # what checksumming allows, beside the ratio
+            f = r["checksummed_fraction"]
+            assert f == 1.0 if r["path"] == "direct" else 0 <= f <= 1
+            assert r["copy_gbps"] > 0 and r["hash_gbps"] > 0
+            assert r["bound_x_raw"] == pytest.approx(
+                1 / (1 + f * r["copy_gbps"] / r["hash_gbps"]))
+        else:
+            assert "bound_x_raw" not in r
         if r["path"] in ("direct", "direct-sampled", "mount"):
             assert r["amplification"] == 1.0  # every block read exactly once
     ctl = record["control"]
@@ -241,8 +251,85 @@ def test_bench_restore_measures_every_path(tmp_path):
     assert ctl["client_cpu_ms"] > 0 and ctl["raw_cpu_ms"] > 0  # CPU beside the wall times
     assert {v["target"].split(" (")[0] for v in record["verdicts"]} >= {
         "direct load >= 0.9x raw preadv", "fetch amplification 1.00x"}
+    full = next(v for v in record["verdicts"] if v["target"].endswith("(verify=full, warm)"))
+    assert 0 < full["bound_median"] <= 1 and full["of_bound_median"] > 0
+    assert "what checksumming allows (warm)" in res.stdout and "of the bound" in res.stdout
+    table = [line for line in record["notes"] if line.startswith("| 1 MiB |")]
+    assert len(table) == 4  # full and sampled, 1 and 2 threads, rendered by `bench report`:
+    kvfs("bench", "report", "--records", str(out.parent), "--output", str(tmp_path / "b.md"))
+    assert table[0] in (tmp_path / "b.md").read_text()
     bad = kvfs("bench", "restore", "--sizes", "0", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "positive" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_restore_warm_ratios_pair_each_run_with_a_raw_run_beside_it():
+    """Warm, each run of a path is paired with a raw run next to it: a machine whose speed
+    changes from one moment to the next (other processes) moves both runs of a pair alike, so
+    the ratio is exact here, where pairing the runs of a whole round would not be."""
+    from kvfs.bench import restore
+
+    log: list[str] = []
+    base = {"raw": 1.0, "direct": 2.0, "mount": 4.0, "torch.load": 8.0}
+    names = list(base)
+
+    def run(name):
+        def go():
+            timed = len(log) - len(names)  # the untimed warm-up runs come first
+            log.append(name)
+            slow = 1 + (timed // 2) % 5  # the machine's speed, changed every two runs
+            return [0.001 * slow], {"seconds": base[name] * slow}
+        return go
+
+    rounds: list[int] = []
+    got = restore.measure({n: run(n) for n in names}, repeats=5, cold=False, daemon_pid=0,
+                          between=lambda: rounds.append(len(log)))
+    assert rounds == [len(names) + 6 * k for k in range(1, 6)]  # after each round's 3 pairs
+    assert got["raw"]["x_raw"] == 1.0 and got["raw"]["runs"] == 15
+    for name in ("direct", "mount", "torch.load"):
+        assert got[name]["runs"] == 5 and got[name]["requests"] == 5
+        assert got[name]["x_raw"] == base["raw"] / base[name]
+        assert got[name]["x_raw_runs"] == [round(base["raw"] / base[name], 3)] * 5
+    timed = log[len(names):]
+    pairs = [timed[k:k + 2] for k in range(0, len(timed), 2)]
+    assert all("raw" in p and len(set(p)) == 2 for p in pairs)
+    assert {p[0] for p in pairs} == set(names)  # raw goes first in some pairs, last in others
+
+
+def test_restore_times_the_loads_not_the_counters():
+    """A direct run's time is its loads': reading the client's counters waits for the control
+    thread to send the access records, a wait an engine never has."""
+    from types import SimpleNamespace
+
+    from kvfs.bench import restore
+
+    class Cache:
+        reads = 0
+
+        @property
+        def stats(self):
+            time.sleep(0.2)  # the control thread's backlog
+            return {"read_bytes": self.reads, "needed_bytes": self.reads, "control_calls": 0}
+
+        def load(self, hashes, out):
+            self.reads += len(hashes)
+            return len(hashes)
+
+    blocks = SimpleNamespace(requests=lambda: [range(0, 2), range(2, 3)], hashes=[b"x"] * 3,
+                             out=[None] * 3)
+    t = time.perf_counter()
+    lat, extra = restore.cache_read(blocks, Cache())()
+    assert time.perf_counter() - t >= 0.4
+    assert len(lat) == 2 and extra["seconds"] < 0.1 and extra["amplification"] == 1.0
+
+
+def test_restore_verify_bound_and_hash_rate():
+    from kvfs.bench import restore
+
+    assert restore.verify_bound(5.0, 20.0) == pytest.approx(0.8)  # 1 / (1 + 5/20)
+    assert restore.verify_bound(5.0, 20.0, fraction=0.125) == pytest.approx(1 / 1.03125)
+    assert restore.verify_bound(5.0, 20.0, fraction=0.0) == 1.0
+    rate = restore.hash_rate(2, trials=3, per_thread=8 << 20)
+    assert 0.1 < rate < 10_000  # GB/s
 
 
 def test_bench_degraded_with_a_budget_never_pays_the_deadline(tmp_path):

@@ -579,6 +579,48 @@ def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
             assert n == 4096 + payload + pad + 1  # longer: the probe is full
 
 
+@pytest.mark.parametrize("views", [1, 3])
+def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, views):
+    """A payload hashed in pieces costs one preadv per piece, no more: the header travels with
+    the first piece and the probe with the last (every transfer releases and retakes the GIL,
+    which waits where I/O threads outnumber cores). The count and checksum stay exact, for
+    one destination or several (a paged block)."""
+    piece = transport.HASH_PIECE
+    payload = 3 * piece + 5
+    pad = -payload % 4096
+    data = os.urandom(4096 + payload)
+    path = tmp_path / "b"
+    calls = []
+    real_preadv = os.preadv
+
+    def counted(fd, bufs, off):
+        calls.append([b.nbytes for b in bufs])
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    cuts = [0, *sorted(int(k * payload / views) for k in range(1, views)), payload]
+    for tail, size in ((bytes(pad), 4096 + payload + pad), (bytes(pad + 1), None)):
+        path.write_bytes(data + tail)
+        calls.clear()
+        header = memoryview(bytearray(4096))
+        body = memoryview(bytearray(payload))
+        parts = [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        probe = memoryview(bytearray(pad + 1))
+        n, csum = transport.read_file(str(path), header, parts, probe, True)
+        assert bytes(header) + bytes(body) == data
+        assert csum == blockfile.payload_checksum(data[4096:])
+        assert n == (size if size is not None else 4096 + payload + pad + 1)
+        assert len(calls) == 4  # three whole pieces and the last 5 bytes
+        assert calls[0][0] == 4096 and sum(calls[0]) == 4096 + piece  # header + piece 1
+        assert calls[-1][-1] == pad + 1 and sum(calls[-1]) == 5 + pad + 1  # the probe too
+    # Cut short inside the third piece: short count, no checksum.
+    path.write_bytes(data[:4096 + 2 * piece + 100])
+    n, csum = transport.read_file(str(path), memoryview(bytearray(4096)),
+                                  [memoryview(bytearray(payload))],
+                                  memoryview(bytearray(pad + 1)), True)
+    assert (n, csum) == (4096 + 2 * piece + 100, None)
+
+
 def test_header_fast_check_is_never_looser_than_the_decode():
     """The loader's byte comparison (blockfile.HeaderCheck) accepts a header only where the
     full decode and check accept it, and refuses every single-bit flip anywhere in it."""
