@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+import sqlite3
 import stat
 import time
 from collections import OrderedDict, deque
@@ -192,6 +193,8 @@ class Operations(pyfuse3.Operations):
         self._to_list: deque[int] = deque(sorted(self.unlisted))
         self._listing: dict[int, trio.Event] = {}
         self.reconciler = fsck.Reconciler(index, store, verify=False, progress=None)
+        # Temporaries older than this were left before this mount: a listing removes them.
+        self._started_ns = time.time_ns()
         self._load_policies()
 
     # -- background work ------------------------------------------------------------------
@@ -326,9 +329,9 @@ class Operations(pyfuse3.Operations):
 
     async def _listed(self, inode: int) -> None:
         """Make sure the index holds a directory's entries. A tree adopted at its first mount
-        is indexed a directory at a time: here, when a request first names something in one
-        (lookup, readdir, create, rename, a control command), and in the background. A
-        request that needs a directory being listed waits for that listing."""
+        is indexed a directory at a time: here, when a request first needs one whole
+        (readdir, every change to it, a control command), and in the background. A request
+        that needs a directory being listed waits for that listing."""
         while inode in self.unlisted:
             busy = self._listing.get(inode)
             if busy is not None:
@@ -352,7 +355,7 @@ class Operations(pyfuse3.Operations):
             return
         drel = self._path(node)
         try:
-            listing = await self._io(self.reconciler.prepare, drel)
+            listing = await self._io(self.reconciler.prepare, drel, None, self._started_ns)
         except FileNotFoundError:
             listing = fsck.Listing([], False, {})  # gone behind our back: nothing to index
         except OSError as exc:
@@ -361,14 +364,22 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EIO) from None
         known = self.reconciler.known(node)
         before = set(known)
-        for start in range(0, len(listing.entries), self.LIST_CHUNK):
-            self._index_entries(node, drel, listing, known, before,
-                                listing.entries[start:start + self.LIST_CHUNK])
-            await trio.sleep(0)  # serve what waits between two chunks
-        with self.index.transaction():
-            # Known before (a listing cut short by a crash) and gone from the tree since.
-            self.reconciler.drop_missing(drel, known)
-            self.index.mark_listed(inode)
+        try:
+            for start in range(0, len(listing.entries), self.LIST_CHUNK):
+                self._index_entries(node, drel, listing, known, before,
+                                    listing.entries[start:start + self.LIST_CHUNK])
+                await trio.sleep(0)  # serve what waits between two chunks
+            with self.index.transaction():
+                # Indexed before (named by a lookup, or a listing cut short by a crash) and
+                # gone from the tree since: dropped, and the usage counted again.
+                gone = [n for n in known.values() if not n.tier]
+                self.reconciler.drop_missing(drel, known)
+                self.index.mark_listed(inode)
+        except (sqlite3.Error, OSError, blockfile.BlockFormatError, ValueError):
+            log.exception("indexing %s failed", drel.decode(errors="replace"))
+            raise FUSEError(errno.EIO) from None
+        if gone:
+            self.stats.reset_usage(self.index.usage_by_namespace())
         self.unlisted.discard(inode)
         if self.budget.excess(self.stats.used_bytes):
             self._wake_evictor()
@@ -390,10 +401,11 @@ class Operations(pyfuse3.Operations):
                 self.stats.account((row[9], row[10]), 1, row[5])
 
     async def _named(self, parent_inode: int, name: bytes) -> None:
-        """Make sure the index holds `name` in a directory if the backing tree has it. In a
-        directory not listed yet that costs one lstat (in a thread), not a listing: the
-        entry is indexed alone and the directory stays unlisted (its listing, later, finds
-        the entry known)."""
+        """For a lookup: make sure the index holds `name` in a directory if the backing tree
+        has it. In a directory not listed yet that costs one lstat (in a thread), not a
+        listing: the entry is indexed alone and the directory stays unlisted (its listing,
+        later, finds the entry known). Requests that change a directory list it whole
+        (`_listed`) instead: a listing never runs beside a change to the same directory."""
         if parent_inode not in self.unlisted:
             return
         busy = self._listing.get(parent_inode)
@@ -402,7 +414,7 @@ class Operations(pyfuse3.Operations):
             if node is None or node.parent == ORPHAN_PARENT or not node.is_dir:
                 return
             drel = self._path(node)
-            listing = await self._io(self.reconciler.prepare, drel, [name])
+            listing = await self._io(self.reconciler.prepare, drel, [name], self._started_ns)
             busy = self._listing.get(parent_inode)
             if (busy is None and parent_inode in self.unlisted
                     and self.index.lookup(parent_inode, name) is None):
@@ -428,6 +440,8 @@ class Operations(pyfuse3.Operations):
                     await self._listed(inode)
                 except FUSEError:
                     pass  # logged; a request that names it tries again
+                except Exception:  # never end the background tasks (and the mount) over one
+                    log.exception("indexing directory inode %d failed", inode)
                 if report.entries - last >= 100000:
                     last = report.entries
                     log.info("indexing the backing tree: %d entries, %d directories left",
@@ -1046,7 +1060,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Any
                     ) -> pyfuse3.EntryAttributes:
-        await self._named(parent_inode, name)
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=True, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         if parent.mode & stat.S_ISGID:
@@ -1065,7 +1079,7 @@ class Operations(pyfuse3.Operations):
     async def rmdir(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode == ROOT_INODE and name == VDIR_NAME or parent_inode == VDIR:
             raise FUSEError(errno.EPERM)
-        await self._named(parent_inode, name)
+        await self._listed(parent_inode)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1115,7 +1129,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
-        await self._named(parent_inode, name)
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
         gid = self._owner_gid(parent, ctx)
@@ -1394,7 +1408,7 @@ class Operations(pyfuse3.Operations):
     async def unlink(self, parent_inode: int, name: bytes, ctx: Any) -> None:
         if parent_inode in (VDIR, VSTATS, VVERSION):
             raise FUSEError(errno.EPERM)
-        await self._named(parent_inode, name)
+        await self._listed(parent_inode)
         node = self.index.lookup(parent_inode, name)
         if node is None:
             raise FUSEError(errno.ENOENT)
@@ -1418,7 +1432,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Any
                       ) -> pyfuse3.EntryAttributes:
-        await self._named(parent_inode, name)
+        await self._listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         gid = self._owner_gid(parent, ctx)
         path = self._join(self._path(parent), name)
@@ -1443,8 +1457,8 @@ class Operations(pyfuse3.Operations):
                 ROOT_INODE in (parent_old, parent_new) and VDIR_NAME in (name_old, name_new)):
             raise FUSEError(errno.EPERM)
         _check_name(name_new)
-        await self._named(parent_old, name_old)
-        await self._named(parent_new, name_new)
+        await self._listed(parent_old)
+        await self._listed(parent_new)
         node = self.index.lookup(parent_old, name_old)
         if node is None:
             raise FUSEError(errno.ENOENT)

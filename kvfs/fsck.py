@@ -217,10 +217,13 @@ class Reconciler:
                     continue
         return Listing(out, self.store.has_pins(drel))  # no pins: no file is asked for one
 
-    def prepare(self, drel: bytes, names: list[bytes] | None = None) -> Listing:
+    def prepare(self, drel: bytes, names: list[bytes] | None = None,
+                temp_before_ns: int | None = None) -> Listing:
         """Thread (the mount's on-demand listing): scan a directory (or only `names` in it)
         and read what indexing its entries needs, so that the event loop only writes the
-        index. Temporaries are removed here; bad blocks are quarantined here."""
+        index. Bad blocks are quarantined here. Temporaries are never indexed; they are
+        removed if older than `temp_before_ns` (left by a daemon or client before this mount;
+        a newer one is a write under way) or, without it, all."""
         if names is None:
             listing = self.scan(drel)
         else:
@@ -239,8 +242,9 @@ class Reconciler:
             rel = drel + b"/" + name if drel else name
             try:
                 if name.startswith(TEMP_PREFIX):
-                    os.unlink(self.store.path(rel))
-                    self.report.removed_temp.add(self._show(rel))
+                    if temp_before_ns is None or st.st_mtime_ns < temp_before_ns:
+                        os.unlink(self.store.path(rel))
+                        self.report.removed_temp.add(self._show(rel))
                     continue
                 if stat.S_ISREG(st.st_mode):
                     listing.blocks[name] = self.check_block(rel, name)

@@ -374,17 +374,21 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         assert not os.path.exists(ops.store.path(b"acme/a/" + TEMP_PREFIX + b"half"))
         link = await ops.lookup(a.st_ino, b"link", ROOT)
         assert await ops.readlink(link.st_ino, ROOT) == b"b/c/f1"
-        # Creating a name the backing tree has in an unlisted directory: EEXIST.
         b = await ops.lookup(a.st_ino, b"b", ROOT)
         c = await ops.lookup(b.st_ino, b"c", ROOT)
         assert c.st_ino in ops.unlisted and ops.index.children(c.st_ino) == []
+        f3 = await ops.lookup(c.st_ino, b"f3", ROOT)
+        assert f3.st_size == 3 and ops.stats.total_files == 1
+        # A change to an unlisted directory lists it whole first: creating a name the
+        # backing tree has is EEXIST, and every entry is then indexed and counted.
         with pytest.raises(pyfuse3.FUSEError) as e:
-            await ops.create(c.st_ino, b"f3", 0o644, os.O_WRONLY | os.O_EXCL, ROOT)
+            await ops.create(c.st_ino, b"f5", 0o644, os.O_WRONLY | os.O_EXCL, ROOT)
         assert e.value.errno == errno.EEXIST
-        assert [n.name for n in ops.index.children(c.st_ino)] == [b"f3"]
-        # Renaming over a name the backing tree has replaces it (and accounts for it).
+        assert c.st_ino not in ops.unlisted and len(ops.index.children(c.st_ino)) == 50
+        assert ops.stats.total_files == 50 and ops.stats.used_bytes == sum(range(50))
+        # Renaming over a name replaces it (and accounts for it).
         await ops.rename(c.st_ino, b"f3", c.st_ino, b"f4", 0, ROOT)
-        assert ops.stats.total_files == 1 and ops.stats.used_bytes == 3
+        assert ops.stats.total_files == 49 and ops.stats.used_bytes == sum(range(50)) - 4
         # rmdir of a directory whose entries are not indexed yet: not empty.
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.rmdir(tenant.inode, b"llama@0123456789abcdef", ROOT)
@@ -392,7 +396,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         assert ns.st_ino not in ops.unlisted  # listed to know
 
     run(go)
-    assert ops.stats.total_files == 1  # (the directories listed hold no files)
+    assert ops.stats.total_files == 49  # (only c's files are indexed so far)
     # find sees the whole tree; the bad block is quarantined, never listed.
     paths = _walk(ops)
     assert b"acme/a/b/c/f49" in paths and b"acme/a/link" in paths
@@ -409,8 +413,17 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
 
 
 def test_adopted_tree_is_indexed_in_the_background(adopted):
+    import time
+
+    from kvfs.store import TEMP_PREFIX
+
     ops, tree = adopted
     ops.LIST_CHUNK = 7  # several transactions per directory
+    # A temporary written after the mount began is a write under way: left alone.
+    time.sleep(0.05)  # (file times come from a coarser clock)
+    fresh = ops.store.path(b"acme/a/b/c/" + TEMP_PREFIX + b"new")
+    with open(fresh, "wb") as f:
+        f.write(b"under way")
 
     async def go():
         async with trio.open_nursery() as nursery:
@@ -425,6 +438,8 @@ def test_adopted_tree_is_indexed_in_the_background(adopted):
     assert ops.stats.total_files == tree["files"]
     assert ops.stats.used_bytes == tree["bytes"]
     assert ops.snapshot()["indexing"]["directories_left"] == 0
+    assert os.path.exists(fresh) and ops.reconciler.report.removed_temp.count == 1
+    os.unlink(fresh)
     assert fsck.reconcile(ops.index, ops.store).changes == 0
 
 
@@ -480,3 +495,37 @@ def test_full_fsck_lists_what_the_mount_left_unlisted(tmp_path):
     ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing),
                                              capacity=None))
     assert ops.stats.total_files == tree["files"] and ops.stats.used_bytes == tree["bytes"]
+
+
+def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted):
+    """A create, an unlink and a rename in a directory being listed wait for the listing
+    (never two writers of one directory's rows); an entry that a lookup indexed and that
+    then left the backing tree behind kvfs's back is dropped by the listing, and the usage
+    is counted again."""
+    ops, tree = adopted
+    ops.LIST_CHUNK = 5  # the listing yields between chunks: the changes arrive meanwhile
+
+    async def go():
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        a = await ops.lookup(t.inode, b"a", ROOT)
+        b = await ops.lookup(a.st_ino, b"b", ROOT)
+        c = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
+        await ops.lookup(c, b"f10", ROOT)
+        os.unlink(ops.store.path(b"acme/a/b/c/f10"))  # behind kvfs's back
+        assert ops.stats.total_files == 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._listed, c)
+            await trio.sleep(0)
+            assert c in ops._listing
+            fi, _ = await ops.create(c, b"new", 0o644, os.O_WRONLY, ROOT)
+            await ops.write(fi.fh, 0, b"12345")
+            await ops.release(fi.fh)
+            await ops.unlink(c, b"f1", ROOT)
+            await ops.rename(c, b"f2", c, b"g2", 0, ROOT)
+        names = {n.name for n in ops.index.children(c)}
+        assert len(names) == 49 and {b"new", b"g2"} <= names
+        assert not {b"f1", b"f2", b"f10"} & names
+        assert ops.stats.total_files == 49
+        assert ops.stats.used_bytes == sum(range(50)) - 10 - 1 + 5
+
+    run(go)
