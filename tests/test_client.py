@@ -670,3 +670,36 @@ def test_a_block_refused_in_a_publish_takes_its_descendants_with_it(mount, tenan
     assert cache.lookup(hashes) == 1
     assert os.path.exists(cache.path(hashes[0]))
     assert not os.path.exists(cache.path(hashes[1])) and not os.path.exists(cache.path(hashes[2]))
+
+
+def test_a_lost_index_is_adopted_while_clients_work(mount, tenant):
+    """The index deleted between two mounts: the next mount serves the blocks at once and
+    indexes them while clients look up, load, save and publish through it."""
+    first = tokens(40)
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        hashes = c.block_hashes(first)
+        c.save(hashes, kv_of(hashes))
+    mount.stop()
+    for name in ("index.db", "index.db-wal", "index.db-shm"):
+        path = mount.backing / ".kvfs" / name
+        if path.exists():
+            path.unlink()
+    mount.start()
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        assert c.lookup(hashes) == 40
+        out = empty(40)
+        assert c.load(hashes, out) == 40 and torch.equal(out, kv_of(hashes))
+        more = c.block_hashes(first + tokens(10, start=1000))
+        c.save(more, kv_of(more))
+        assert c.lookup(more) == 50
+    deadline = time.monotonic() + 30
+    while mount.stats()["indexing"]["directories_left"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ns = mount.stats()["tenants"][tenant]
+    (counters,) = ns.values()
+    assert counters["files"] == 50 + 1  # the blocks and the manifest
+    assert "adopting" in mount.log_text()
+    mount.stop()
+    res = kvfs_cli("fsck", str(mount.backing))
+    assert " 0 added, 0 dropped, 0 updated" in res.stdout, res.stdout
