@@ -90,10 +90,11 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     """Lock the backing directory and bring the index up to date."""
     store, lock_fd = open_state_dir(opts.backing)
     index = open_index(store)
-    if index.get_meta("clean") != "1" and not index.has_entries():
-        # A tree this index never saw (a first mount, an index deleted): serve it at once,
-        # indexing a directory when a request first names something in it, the rest in the
-        # background. The top level (the tenants) is indexed now.
+    if not index.has_entries():
+        # A tree this index never saw (a first mount, an index deleted, files copied into a
+        # backing directory whose index is empty): serve it at once, indexing a directory
+        # when a request first names something in it, the rest in the background. The top
+        # level (the tenants) is indexed now.
         report = fsck.adopt(index, store)
         log.info("adopting %s: %d tenants indexed, their directories indexed on demand and "
                  "in the background", opts.backing, report.added.count)

@@ -498,6 +498,17 @@ def test_first_mount_serves_a_foreign_tree_while_indexing_it(mount_factory):
     assert " 0 added, 0 dropped, 0 updated" in res.stdout, res.stdout
 
 
+def test_files_copied_into_an_empty_backing_dir_are_adopted(mount_factory):
+    """A backing directory mounted once while empty (its index clean and empty), then
+    filled from outside while unmounted: the next mount serves what was copied in."""
+    m = mount_factory()
+    m.stop()
+    total = _place_tree(m.backing, 3, 10)
+    m.start()
+    assert (m.mnt / "acme" / "ns" / "d002" / "f9").read_bytes() == b"2/9"
+    assert _wait_indexed(m)["used_bytes"] == total
+
+
 def test_first_mount_killed_while_indexing(mount_factory):
     """SIGKILL while a foreign tree is being indexed: the next mount finishes the job,
     nothing indexed twice, nothing lost."""
