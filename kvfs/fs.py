@@ -192,6 +192,7 @@ class Operations(pyfuse3.Operations):
         self.unlisted: set[int] = set(index.unlisted())
         self._to_list: deque[int] = deque(sorted(self.unlisted))
         self._listing: dict[int, trio.Event] = {}
+        self._inserting: set[int] = set()  # listings past their read, writing the index
         self.reconciler = fsck.Reconciler(index, store, verify=False, progress=None)
         # Temporaries older than this were left before this mount: a listing removes them.
         self._started_ns = time.time_ns()
@@ -331,7 +332,8 @@ class Operations(pyfuse3.Operations):
         """Make sure the index holds a directory's entries. A tree adopted at its first mount
         is indexed a directory at a time: here, when a request first needs one whole
         (readdir, every change to it, a control command), and in the background. A request
-        that needs a directory being listed waits for that listing."""
+        that needs a directory being listed waits for that listing (a lookup only for its
+        last part, when it writes the index: see `_named`)."""
         while inode in self.unlisted:
             busy = self._listing.get(inode)
             if busy is not None:
@@ -362,9 +364,15 @@ class Operations(pyfuse3.Operations):
             log.error("cannot list %s in the backing directory: %s",
                       drel.decode(errors="replace"), exc)
             raise FUSEError(errno.EIO) from None
-        known = self.reconciler.known(node)
-        before = set(known)
+        # Meanwhile lookups may have indexed single names (they are known below); the
+        # directory itself may have moved: then read it again at its new place.
+        node = self.index.find(inode)
+        if node is None or node.parent == ORPHAN_PARENT or self._path(node) != drel:
+            return
+        self._inserting.add(inode)
         try:
+            known = self.reconciler.known(node)
+            before = set(known)
             for start in range(0, len(listing.entries), self.LIST_CHUNK):
                 self._index_entries(node, drel, listing, known, before,
                                     listing.entries[start:start + self.LIST_CHUNK])
@@ -378,6 +386,8 @@ class Operations(pyfuse3.Operations):
         except (sqlite3.Error, OSError, blockfile.BlockFormatError, ValueError):
             log.exception("indexing %s failed", drel.decode(errors="replace"))
             raise FUSEError(errno.EIO) from None
+        finally:
+            self._inserting.discard(inode)
         if gone:
             self.stats.reset_usage(self.index.usage_by_namespace())
         self.unlisted.discard(inode)
@@ -408,19 +418,21 @@ class Operations(pyfuse3.Operations):
         (`_listed`) instead: a listing never runs beside a change to the same directory."""
         if parent_inode not in self.unlisted:
             return
-        busy = self._listing.get(parent_inode)
-        if busy is None and self.index.lookup(parent_inode, name) is None:
+        # A listing that is reading the directory does not stop this (it takes what the
+        # index has once its read is done); one that is writing the index does.
+        writing = parent_inode in self._inserting
+        if not writing and self.index.lookup(parent_inode, name) is None:
             node = self.index.find(parent_inode)
             if node is None or node.parent == ORPHAN_PARENT or not node.is_dir:
                 return
             drel = self._path(node)
             listing = await self._io(self.reconciler.prepare, drel, [name], self._started_ns)
-            busy = self._listing.get(parent_inode)
-            if (busy is None and parent_inode in self.unlisted
+            writing = parent_inode in self._inserting
+            if (not writing and parent_inode in self.unlisted
                     and self.index.lookup(parent_inode, name) is None):
                 self._index_entries(node, drel, listing, {}, set(), listing.entries)
-        if busy is not None:
-            await busy.wait()  # a listing of the directory was under way: it has the name
+        if writing:
+            await self._listing[parent_inode].wait()  # it has the name, when it is done
             if parent_inode in self.unlisted:  # ... unless it failed
                 await self._named(parent_inode, name)
 

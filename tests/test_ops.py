@@ -497,13 +497,37 @@ def test_full_fsck_lists_what_the_mount_left_unlisted(tmp_path):
     assert ops.stats.total_files == tree["files"] and ops.stats.used_bytes == tree["bytes"]
 
 
-def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted):
+def _gate_listing(ops, monkeypatch, suffix: bytes):
+    """Hold the next full listing of a directory ending in `suffix` in its read until
+    released; returns (reading, release) events."""
+    reading, release = threading.Event(), threading.Event()
+    prepare = ops.reconciler.prepare
+
+    def slow_prepare(drel, names=None, temp_before_ns=None):
+        if names is None and drel.endswith(suffix):
+            reading.set()
+            assert release.wait(10)
+        return prepare(drel, names, temp_before_ns)
+
+    monkeypatch.setattr(ops.reconciler, "prepare", slow_prepare)
+    return reading, release
+
+
+async def _until(event: threading.Event) -> None:
+    with trio.fail_after(5):
+        while not event.is_set():
+            await trio.sleep(0.01)
+
+
+def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted, monkeypatch):
     """A create, an unlink and a rename in a directory being listed wait for the listing
     (never two writers of one directory's rows); an entry that a lookup indexed and that
     then left the backing tree behind kvfs's back is dropped by the listing, and the usage
     is counted again."""
     ops, tree = adopted
-    ops.LIST_CHUNK = 5  # the listing yields between chunks: the changes arrive meanwhile
+    ops.LIST_CHUNK = 5
+    reading, release = _gate_listing(ops, monkeypatch, b"/c")
+    changed = trio.Event()
 
     async def go():
         t = ops.index.lookup(ROOT_INODE, b"acme")
@@ -513,19 +537,50 @@ def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted):
         await ops.lookup(c, b"f10", ROOT)
         os.unlink(ops.store.path(b"acme/a/b/c/f10"))  # behind kvfs's back
         assert ops.stats.total_files == 1
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._listed, c)
-            await trio.sleep(0)
-            assert c in ops._listing
+
+        async def change():
             fi, _ = await ops.create(c, b"new", 0o644, os.O_WRONLY, ROOT)
             await ops.write(fi.fh, 0, b"12345")
             await ops.release(fi.fh)
             await ops.unlink(c, b"f1", ROOT)
             await ops.rename(c, b"f2", c, b"g2", 0, ROOT)
+            changed.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._listed, c)
+            await _until(reading)
+            nursery.start_soon(change)
+            await trio.sleep(0.2)
+            assert not changed.is_set() and c in ops.unlisted  # waiting for the listing
+            release.set()
         names = {n.name for n in ops.index.children(c)}
         assert len(names) == 49 and {b"new", b"g2"} <= names
         assert not {b"f1", b"f2", b"f10"} & names
         assert ops.stats.total_files == 49
         assert ops.stats.used_bytes == sum(range(50)) - 10 - 1 + 5
+
+    run(go)
+
+
+def test_a_lookup_is_not_held_up_by_a_listing_still_reading(adopted, monkeypatch):
+    """While a listing reads a big directory, lookups in it index their one name and return;
+    the listing then finds those entries known (no duplicate, usage counted once)."""
+    ops, tree = adopted
+    reading, release = _gate_listing(ops, monkeypatch, b"/c")
+
+    async def go():
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        a = await ops.lookup(t.inode, b"a", ROOT)
+        b = await ops.lookup(a.st_ino, b"b", ROOT)
+        c = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._listed, c)
+            await _until(reading)
+            with trio.fail_after(5):  # (it used to wait for the whole listing)
+                f7 = await ops.lookup(c, b"f7", ROOT)
+            assert f7.st_size == 7 and c in ops.unlisted
+            release.set()
+        assert c not in ops.unlisted and len(ops.index.children(c)) == 50
+        assert ops.stats.total_files == 50 and ops.stats.used_bytes == sum(range(50))
 
     run(go)
