@@ -872,6 +872,11 @@ class Operations(pyfuse3.Operations):
         if parent is None or not parent.is_dir or parent.ns == 0:
             return None
         if self.tiering is not None:
+            # A fetch places a file (or a fan-out directory) here: a change, which lists an
+            # unlisted directory first (see _named).
+            await self._listed(parent.inode)
+            if self.index.lookup(parent_inode, name) is not None:
+                return self.index.lookup(parent_inode, name)
             text = name.decode(errors="replace")
             if parent.inode == parent.ns and len(name) == 2 and all(
                     c in "0123456789abcdef" for c in text):
@@ -1190,6 +1195,7 @@ class Operations(pyfuse3.Operations):
         if inode in self.evicting:
             raise FUSEError(errno.ENOENT)  # being evicted: a miss
         if node.tier:
+            await self._listed(node.parent)  # a fetch is a change to the directory
             if self.tiering is None or await self._fetch_block(
                     self.index.get(node.parent), node.name, node) is None:
                 self.stats.by_ns[self._key(node)].mount_misses += 1

@@ -584,3 +584,69 @@ def test_a_lookup_is_not_held_up_by_a_listing_still_reading(adopted, monkeypatch
         assert ops.stats.total_files == 50 and ops.stats.used_bytes == sum(range(50))
 
     run(go)
+
+
+def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, monkeypatch):
+    """A lookup that fetches a block from a lower tier changes its directory: in a directory
+    being listed it waits, so that the listing (which read the directory before the block
+    arrived) does not drop the fetched block's entry as gone."""
+    from kvfs import blockfile, hashing
+    from kvfs.tiering import Tiering
+    from kvfs.tiers import DirTier
+
+    backing = tmp_path / "backing"
+    (backing / ".kvfs").mkdir(parents=True)
+    ns_rel = "acme/llama@0123456789abcdef"
+    h = hashing.block_hashes([7] * 16, 16)[0]
+    data = blockfile.encode(block_hash=h, parent_hash=hashing.ROOT_PARENT,
+                            fingerprint=bytes(16), token_count=16, dtype="uint8",
+                            shape=(100,), payload=bytes(100))
+    fan = h[:1].hex()
+    (backing / ns_rel / fan).mkdir(parents=True)
+    (backing / ns_rel / fan / "other").write_bytes(b"x")
+    cold = tmp_path / "cold" / ns_rel / fan
+    cold.mkdir(parents=True)
+    (cold / hashing.block_filename(h)).write_bytes(data)
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    fsck.adopt(index, store)
+
+    reading, release = threading.Event(), threading.Event()
+
+    async def go():
+        tiering = Tiering([DirTier(str(tmp_path / "cold"))], trio.CapacityLimiter(4))
+        ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing),
+                                                 capacity=None), tiering=tiering)
+        prepare = ops.reconciler.prepare
+
+        def read_then_hold(drel, names=None, temp_before_ns=None):
+            out = prepare(drel, names, temp_before_ns)
+            if names is None and drel.endswith(fan.encode()):
+                reading.set()
+                assert release.wait(10)
+            return out
+
+        monkeypatch.setattr(ops.reconciler, "prepare", read_then_hold)
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        ns = await ops.lookup(t.inode, b"llama@0123456789abcdef", ROOT)
+        f = (await ops.lookup(ns.st_ino, fan.encode(), ROOT)).st_ino
+        got = []
+
+        async def fetch():
+            got.append(await ops.lookup(f, hashing.block_filename(h).encode(), ROOT))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._listed, f)
+            await _until(reading)  # the listing has read the directory: no block there yet
+            nursery.start_soon(fetch)
+            await trio.sleep(0.3)
+            release.set()
+        node = ops.index.find(got[0].st_ino)
+        assert node is not None and node.block_hash == h  # still indexed
+        assert {n.name for n in ops.index.children(f)} == {
+            b"other", hashing.block_filename(h).encode()}
+        assert ops.stats.total_files == 2
+        tiering.close()
+
+    run(go)
+    index.close()

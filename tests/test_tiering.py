@@ -269,3 +269,37 @@ def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
     assert not tiering.reachable()
     tiering.breakers[0].success()
     assert tiering.reachable()
+
+
+def test_an_adopted_tree_fetches_from_its_tier(mount_factory, tmp_path):
+    """A first mount over a tree no index has seen, with a shared tier: a block the tree lacks
+    in a directory not indexed yet is fetched from the tier (the directory is indexed first,
+    as for any change); the blocks the tree has are served from it."""
+    shared = tmp_path / "shared"
+    m = mount_factory(extra=["--shared", f"dir://{shared}"], start=False)
+    local = [block(i) for i in range(6)]
+    remote = [block(i) for i in range(100, 140)]
+    fan = {h[:1] for h, _ in local}
+    remote = [(h, d) for h, d in remote if h[:1] in fan][:3]  # the same fan-out directories
+    assert remote
+    ns_rel = "t/m@0123456789abcdef"
+    (m.backing / ns_rel).mkdir(parents=True)
+    for h, d in local:
+        put(m.backing / ns_rel, h, d)
+    for h, d in remote:
+        p = shared / ns_rel / hashing.block_relpath(h)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(d)
+    m.start()
+    ns = m.mnt / ns_rel
+    for h, d in remote + local:
+        assert (ns / hashing.block_relpath(h)).read_bytes() == d
+    deadline = time.monotonic() + 30
+    while m.stats()["indexing"]["directories_left"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    c = m.stats()["tenants"]["t"]["m@0123456789abcdef"]
+    assert c["files"] == len(local) + len(remote) and c["promotions"] == len(remote)
+    m.stop()
+    res = kvfs("fsck", str(m.backing))
+    assert " 0 added, 0 dropped, 0 updated" in res.stdout, res.stdout
