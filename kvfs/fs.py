@@ -383,6 +383,8 @@ class Operations(pyfuse3.Operations):
                 gone = [n for n in known.values() if not n.tier]
                 self.reconciler.drop_missing(drel, known)
                 self.index.mark_listed(inode)
+            if listing.bad:  # bad blocks the daemon did not know (one it knows it may write)
+                await self._io(self.reconciler.quarantine_bad, drel, listing, before)
         except (sqlite3.Error, OSError, blockfile.BlockFormatError, ValueError):
             log.exception("indexing %s failed", drel.decode(errors="replace"))
             raise FUSEError(errno.EIO) from None
@@ -401,7 +403,8 @@ class Operations(pyfuse3.Operations):
         new subdirectories unlisted."""
         subdirs: list[tuple[Node, bytes]] = []
         with self.index.transaction():
-            rows = self.reconciler.walk_entries(node, drel, listing, subdirs, known, entries)
+            rows = self.reconciler.walk_entries(node, drel, listing, subdirs, known, entries,
+                                                refresh=False)
             new = [d.inode for d, _ in subdirs if d.name not in before]
             self.index.mark_unlisted(new)
         self.unlisted.update(new)
@@ -431,6 +434,8 @@ class Operations(pyfuse3.Operations):
             if (not writing and parent_inode in self.unlisted
                     and self.index.lookup(parent_inode, name) is None):
                 self._index_entries(node, drel, listing, {}, set(), listing.entries)
+                if listing.bad:
+                    await self._io(self.reconciler.quarantine_bad, drel, listing, set())
         if writing:
             await self._listing[parent_inode].wait()  # it has the name, when it is done
             if parent_inode in self.unlisted:  # ... unless it failed
@@ -571,6 +576,8 @@ class Operations(pyfuse3.Operations):
         open can start on them; then they leave the index and the kernel's caches."""
         if not nodes:
             return 0
+        for parent in {n.parent for n in nodes} & self.unlisted:
+            await self._listed(parent)  # removing files is a change (see _named)
         self.evicting.update(n.inode for n in nodes)
         demoted: set[int] = set()
         try:
@@ -646,6 +653,7 @@ class Operations(pyfuse3.Operations):
                 if (node is None or not node.is_dir or node.ns == 0 or node.parent == ORPHAN_PARENT
                         or self.index.has_children(inode)):
                     continue
+                await self._listed(node.parent)  # removing an entry is a change (_named)
                 try:
                     await self._io(self.store.rmdir, self._path(node))
                 except OSError as exc:

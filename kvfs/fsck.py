@@ -95,6 +95,9 @@ class Listing:
     blocks: dict[bytes, tuple[bytes, bytes] | None | bool] | None = None
     targets: dict[bytes, bytes] = field(default_factory=dict)
     pinned: set[bytes] = field(default_factory=set)
+    #: Files named as blocks that are not (name -> what is wrong): not indexed; quarantined
+    #: by `quarantine_bad` unless the daemon knows them (a file it is writing).
+    bad: dict[bytes, str] = field(default_factory=dict)
 
 #: A thread reads the next directories (listing, lstat) while one is indexed, so that a
 #: cold walk waits less on the disk; more threads only contend for the interpreter.
@@ -124,9 +127,10 @@ class Reconciler:
         log.warning("quarantined %s: %s", self._show(rel), reason)
         self.report.quarantined.add(self._show(rel))
 
-    def check_block(self, rel: bytes, name: bytes) -> tuple[bytes, bytes] | None | bool:
+    def check_block(self, rel: bytes, name: bytes, *, quarantine: bool = True
+                    ) -> tuple[bytes, bytes] | None | bool | str:
         """(hash, parent) for a good kvfs-native block; None for a file that is not named as
-        one; False for a bad block (quarantined)."""
+        one; for a bad block False (quarantined) or, without `quarantine`, what is wrong."""
         if not name.endswith(b".kv"):
             return None  # cheap first: most names of a big foreign tree are not blocks
         block_hash = hashing.parse_block_filename(name.decode(errors="replace"))
@@ -145,6 +149,8 @@ class Reconciler:
             if hdr.block_hash != block_hash:
                 raise ValueError(f"header names block {hdr.block_hash.hex()}")
         except (blockfile.BlockFormatError, ValueError) as exc:
+            if not quarantine:
+                return str(exc)
             self.quarantine(rel, str(exc))
             return False
         return hdr.block_hash, hdr.parent_hash
@@ -221,9 +227,9 @@ class Reconciler:
                 temp_before_ns: int | None = None) -> Listing:
         """Thread (the mount's on-demand listing): scan a directory (or only `names` in it)
         and read what indexing its entries needs, so that the event loop only writes the
-        index. Bad blocks are quarantined here. Temporaries are never indexed; they are
-        removed if older than `temp_before_ns` (left by a daemon or client before this mount;
-        a newer one is a write under way) or, without it, all."""
+        index. Bad blocks are only noted (`quarantine_bad` moves them). Temporaries are never
+        indexed; they are removed if older than `temp_before_ns` (left by a daemon or client
+        before this mount; a newer one is a write under way) or, without it, all."""
         if names is None:
             listing = self.scan(drel)
         else:
@@ -247,7 +253,11 @@ class Reconciler:
                         self.report.removed_temp.add(self._show(rel))
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    listing.blocks[name] = self.check_block(rel, name)
+                    block = self.check_block(rel, name, quarantine=False)
+                    if isinstance(block, str):
+                        listing.bad[name] = block
+                        block = False
+                    listing.blocks[name] = block
                     if listing.pins and self.store.is_pinned(rel):
                         listing.pinned.add(name)
                 elif stat.S_ISLNK(st.st_mode):
@@ -257,6 +267,15 @@ class Reconciler:
             kept.append((name, st))
         listing.entries = kept
         return listing
+
+    def quarantine_bad(self, drel: bytes, listing: Listing, known: set[bytes]) -> None:
+        """Thread: quarantine the bad blocks a `prepare` found, but those in `known`."""
+        for name, reason in listing.bad.items():
+            if name not in known:
+                try:
+                    self.quarantine(drel + b"/" + name if drel else name, reason)
+                except FileNotFoundError:
+                    pass
 
     def walk(self) -> None:
         root = ensure_root(self.index, os.lstat(self.store.root))
@@ -288,11 +307,13 @@ class Reconciler:
 
     def walk_entries(self, dnode: Node, drel: bytes, listing: Listing,
                      stack: list[tuple[Node, bytes]], known: dict[bytes, Node],
-                     entries: list[tuple[bytes, os.stat_result]] | None = None
-                     ) -> list[tuple]:
+                     entries: list[tuple[bytes, os.stat_result]] | None = None,
+                     refresh: bool = True) -> list[tuple]:
         """Reconcile `entries` (default: all) of a directory with the index's `known` rows
         (each found is taken out of `known`); push subdirectories onto `stack` (with `lazy`,
-        not those left to the mount). Returns the rows of the files and links it added."""
+        not those left to the mount). Returns the rows of the files and links it added.
+        Without `refresh` a known file is left as the index has it (the mount's listings:
+        the daemon indexed it itself, and may be writing it)."""
         pins = listing.pins
         pre = listing if listing.blocks is not None else None
         batch: list[tuple] = []
@@ -322,7 +343,8 @@ class Reconciler:
                 node = self.add(dnode, name, rel, st, batch, pins, pre)
                 if node is None:
                     continue
-            elif node.is_reg and (node.size != st.st_size or self.verify or node.tier):
+            elif refresh and node.is_reg and (node.size != st.st_size or self.verify
+                                              or node.tier):
                 self.refresh(node, rel, st)
             if stat.S_ISDIR(st.st_mode) and not (self.lazy and node.inode in self.unlisted):
                 stack.append((node, rel))
@@ -395,7 +417,9 @@ def adopt(index: Index, store: BackingStore) -> FsckReport:
     with index.transaction():
         root = ensure_root(index, os.lstat(store.root))
         tenants: list[tuple[Node, bytes]] = []
-        r.walk_dir(root, b"", r.prepare(b""), tenants)
+        listing = r.prepare(b"")
+        r.walk_dir(root, b"", listing, tenants)
+        r.quarantine_bad(b"", listing, set())
         index.mark_unlisted([t.inode for t, _ in tenants])
     r.report.seconds = time.monotonic() - start
     return r.report

@@ -650,3 +650,73 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
 
     run(go)
     index.close()
+
+
+def test_eviction_in_a_directory_being_listed_waits_for_the_listing(adopted, monkeypatch):
+    """Eviction removes files: in a directory being listed it waits, so that the listing
+    (which read the directory while the files were there) does not index them again."""
+    ops, tree = adopted
+    reading, release = threading.Event(), threading.Event()
+    prepare = ops.reconciler.prepare
+
+    def read_then_hold(drel, names=None, temp_before_ns=None):
+        out = prepare(drel, names, temp_before_ns)
+        if names is None and drel.endswith(b"/c"):
+            reading.set()
+            assert release.wait(10)
+        return out
+
+    monkeypatch.setattr(ops.reconciler, "prepare", read_then_hold)
+
+    async def go():
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        a = await ops.lookup(t.inode, b"a", ROOT)
+        b = await ops.lookup(a.st_ino, b"b", ROOT)
+        c = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
+        for k in (40, 41):
+            await ops.lookup(c, b"f%d" % k, ROOT)
+        freed = []
+
+        async def evict():
+            freed.append(await ops.evict(1, t.inode))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ops._listed, c)
+            await _until(reading)
+            nursery.start_soon(evict)
+            await trio.sleep(0.3)
+            release.set()
+        assert freed and freed[0] > 0
+        names = {n.name for n in ops.index.children(c)}
+        on_disk = set(os.listdir(ops.store.path(b"acme/a/b/c")))
+        assert names == on_disk and len(names) < 50  # nothing evicted is indexed again
+        assert ops.stats.total_files == len(names)
+
+    run(go)
+
+
+def test_a_listing_leaves_a_file_being_written_alone(adopted):
+    """A block file open for writing through the mount when its directory is listed (its
+    size and header on disk are mid-change): the listing leaves it as the daemon knows it,
+    never refreshed from what it read, never quarantined."""
+    from kvfs import hashing
+
+    ops, tree = adopted
+    h, path = tree["blocks"][0]
+
+    async def go():
+        t = ops.index.lookup(ROOT_INODE, b"acme")
+        ns = await ops.lookup(t.inode, b"llama@0123456789abcdef", ROOT)
+        fan = (await ops.lookup(ns.st_ino, hashing.hash_hex(h)[:2].encode(), ROOT)).st_ino
+        f = await ops.lookup(fan, path.name.encode(), ROOT)
+        size = f.st_size
+        fi = await ops.open(f.st_ino, os.O_WRONLY, ROOT)
+        await ops.write(fi.fh, 0, b"\0" * 16)  # the header, mid-rewrite
+        await ops.write(fi.fh, size, b"more")
+        await ops._listed(fan)
+        assert ops.index.get(f.st_ino).parent == fan  # still there, not quarantined
+        await ops.release(fi.fh)
+        assert path.exists() and path.stat().st_size == size + 4
+        assert ops.index.get(f.st_ino).size == size + 4
+
+    run(go)
