@@ -883,8 +883,9 @@ class Operations(pyfuse3.Operations):
             # A fetch places a file (or a fan-out directory) here: a change, which lists an
             # unlisted directory first (see _named).
             await self._listed(parent.inode)
-            if self.index.lookup(parent_inode, name) is not None:
-                return self.index.lookup(parent_inode, name)
+            listed = self.index.lookup(parent_inode, name)
+            if listed is not None:
+                return listed
             text = name.decode(errors="replace")
             if parent.inode == parent.ns and len(name) == 2 and all(
                     c in "0123456789abcdef" for c in text):

@@ -88,7 +88,7 @@ Progress = Callable[[int], None]
 class Listing:
     """One directory as the backing tree has it: its entries with their lstat and whether it
     holds pins; from `Reconciler.prepare` also what indexing them reads from the files (block
-    headers, link targets, pins), read off the event loop, temporaries already removed."""
+    headers, link targets, pins), read off the event loop, temporaries left out."""
 
     entries: list[tuple[bytes, os.stat_result]]
     pins: bool
