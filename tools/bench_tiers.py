@@ -95,6 +95,7 @@ from kvfs.bench.common import (  # noqa: E402
     finish,
     first_line,
     memory_gib,
+    portable,
 )
 from kvfs.bench.common import read_text as _read  # noqa: E402
 from kvfs.client import KVCache  # noqa: E402
@@ -1081,8 +1082,8 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix=".kvfs-bench-tiers-", dir=base)
     os.chmod(work, 0o755)
     cold_root = os.path.join(work, "cold-tier")
-    command = "python tools/bench_tiers.py " + " ".join(argv if argv is not None
-                                                        else sys.argv[1:])
+    command = "python tools/bench_tiers.py " + " ".join(
+        portable(a) for a in (argv if argv is not None else sys.argv[1:]))
     res: dict[str, Any] = {"benchmark": "tiers", "command": command.strip(),
                            "params": {k: v for k, v in vars(args).items()
                                       if k not in ("json", "out", "keep", "dir")},
