@@ -303,8 +303,8 @@ def _foreign_tree(backing) -> dict:
     return {"ns": ns, "blocks": blocks, "bad": bad, "files": files, "bytes": size}
 
 
-@pytest.fixture
-def adopted(tmp_path):
+def _adopt_foreign(tmp_path) -> tuple[dict, Index, BackingStore, MountInfo]:
+    """A foreign tree in a fresh backing directory, adopted as a first mount does."""
     backing = tmp_path / "backing"
     (backing / ".kvfs").mkdir(parents=True)
     tree = _foreign_tree(backing)
@@ -312,8 +312,13 @@ def adopted(tmp_path):
     store = BackingStore(str(backing))
     report = fsck.adopt(index, store)
     assert report.added.count == 1  # the tenant; nothing below it yet
-    o = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None))
-    yield o, tree
+    return tree, index, store, MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None)
+
+
+@pytest.fixture
+def adopted(tmp_path):
+    tree, index, store, info = _adopt_foreign(tmp_path)
+    yield Operations(index, store, info), tree
     index.close()
 
 
@@ -446,13 +451,7 @@ def test_adopted_tree_is_indexed_in_the_background(adopted):
 def test_adoption_cut_short_resumes(tmp_path):
     """A listing cut short (the daemon killed between two of its transactions) is finished
     by the next mount: nothing twice, nothing lost; the quick fsck leaves it to the mount."""
-    backing = tmp_path / "backing"
-    (backing / ".kvfs").mkdir(parents=True)
-    tree = _foreign_tree(backing)
-    index = Index(str(backing / ".kvfs" / "index.db"))
-    store = BackingStore(str(backing))
-    fsck.adopt(index, store)
-    info = MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None)
+    tree, index, store, info = _adopt_foreign(tmp_path)
     ops = Operations(index, store, info)
     c_dir = None
 
@@ -482,35 +481,34 @@ def test_adoption_cut_short_resumes(tmp_path):
 
 
 def test_full_fsck_lists_what_the_mount_left_unlisted(tmp_path):
-    backing = tmp_path / "backing"
-    (backing / ".kvfs").mkdir(parents=True)
-    tree = _foreign_tree(backing)
-    index = Index(str(backing / ".kvfs" / "index.db"))
-    store = BackingStore(str(backing))
-    fsck.adopt(index, store)
+    tree, index, store, info = _adopt_foreign(tmp_path)
     assert fsck.reconcile(index, store, lazy=True).added.count == 0  # left to the mount
     report = fsck.reconcile(index, store)
     assert index.unlisted() == [] and report.quarantined.count == 1
     assert report.removed_temp.count == 1
-    ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing),
-                                             capacity=None))
+    ops = Operations(index, store, info)
     assert ops.stats.total_files == tree["files"] and ops.stats.used_bytes == tree["bytes"]
 
 
-def _gate_listing(ops, monkeypatch, suffix: bytes):
-    """Hold the next full listing of a directory ending in `suffix` in its read until
-    released; returns (reading, release) events."""
-    reading, release = threading.Event(), threading.Event()
+def _gate_listing(ops, monkeypatch, suffix: bytes, *, after_read: bool = False):
+    """Hold the next full listing of a directory ending in `suffix` until released: before
+    it reads the directory, or `after_read`; returns the (holding, release) events."""
+    holding, release = threading.Event(), threading.Event()
     prepare = ops.reconciler.prepare
 
-    def slow_prepare(drel, names=None, temp_before_ns=None):
-        if names is None and drel.endswith(suffix):
-            reading.set()
+    def held_prepare(drel, names=None, temp_before_ns=None):
+        held = names is None and drel.endswith(suffix)
+        if held and not after_read:
+            holding.set()
             assert release.wait(10)
-        return prepare(drel, names, temp_before_ns)
+        out = prepare(drel, names, temp_before_ns)
+        if held and after_read:
+            holding.set()
+            assert release.wait(10)
+        return out
 
-    monkeypatch.setattr(ops.reconciler, "prepare", slow_prepare)
-    return reading, release
+    monkeypatch.setattr(ops.reconciler, "prepare", held_prepare)
+    return holding, release
 
 
 async def _until(event: threading.Event) -> None:
@@ -611,22 +609,12 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
     store = BackingStore(str(backing))
     fsck.adopt(index, store)
 
-    reading, release = threading.Event(), threading.Event()
 
     async def go():
         tiering = Tiering([DirTier(str(tmp_path / "cold"))], trio.CapacityLimiter(4))
         ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing),
                                                  capacity=None), tiering=tiering)
-        prepare = ops.reconciler.prepare
-
-        def read_then_hold(drel, names=None, temp_before_ns=None):
-            out = prepare(drel, names, temp_before_ns)
-            if names is None and drel.endswith(fan.encode()):
-                reading.set()
-                assert release.wait(10)
-            return out
-
-        monkeypatch.setattr(ops.reconciler, "prepare", read_then_hold)
+        reading, release = _gate_listing(ops, monkeypatch, fan.encode(), after_read=True)
         t = ops.index.lookup(ROOT_INODE, b"acme")
         ns = await ops.lookup(t.inode, b"llama@0123456789abcdef", ROOT)
         f = (await ops.lookup(ns.st_ino, fan.encode(), ROOT)).st_ino
@@ -656,17 +644,7 @@ def test_eviction_in_a_directory_being_listed_waits_for_the_listing(adopted, mon
     """Eviction removes files: in a directory being listed it waits, so that the listing
     (which read the directory while the files were there) does not index them again."""
     ops, tree = adopted
-    reading, release = threading.Event(), threading.Event()
-    prepare = ops.reconciler.prepare
-
-    def read_then_hold(drel, names=None, temp_before_ns=None):
-        out = prepare(drel, names, temp_before_ns)
-        if names is None and drel.endswith(b"/c"):
-            reading.set()
-            assert release.wait(10)
-        return out
-
-    monkeypatch.setattr(ops.reconciler, "prepare", read_then_hold)
+    reading, release = _gate_listing(ops, monkeypatch, b"/c", after_read=True)
 
     async def go():
         t = ops.index.lookup(ROOT_INODE, b"acme")
