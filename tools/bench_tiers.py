@@ -1,7 +1,7 @@
 """Benchmark the lower tiers: restores from hot, cold directory and shared S3, and request
 latency while the store is slow or down, in one run on one machine.
 
-Everything runs here: a SeaweedFS S3 server on loopback (``tests/s3server.py``), a small
+Everything runs here: a SeaweedFS S3 server on loopback (``kvfs/bench/seaweed.py``), a small
 asyncio TCP proxy in front of it that adds latency per request or swallows requests, and kvfs
 mounts as a user runs them (``kvfs mount``, ``kvfs tenant add``):
 
@@ -98,9 +98,9 @@ from kvfs.bench.common import (  # noqa: E402
     portable,
 )
 from kvfs.bench.common import read_text as _read  # noqa: E402
+from kvfs.bench.seaweed import REGION, S3Server, weed_binary  # noqa: E402
 from kvfs.client import KVCache  # noqa: E402
 from kvfs.hashing import ModelSpec, block_relpath  # noqa: E402
-from tests.s3server import REGION, S3Server, weed_binary  # noqa: E402
 
 MiB = 1 << 20
 HEADER = 4096

