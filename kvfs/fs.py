@@ -390,7 +390,10 @@ class Operations(pyfuse3.Operations):
             raise FUSEError(errno.EIO) from None
         finally:
             self._inserting.discard(inode)
-        if gone:
+        for n in gone:
+            if n.is_reg:
+                self._unaccount(n)
+        if any(n.is_dir for n in gone):  # its indexed files went with it: count again
             self.stats.reset_usage(self.index.usage_by_namespace())
         self.unlisted.discard(inode)
         if self.budget.excess(self.stats.used_bytes):
