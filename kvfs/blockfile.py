@@ -234,9 +234,10 @@ class HeaderCheck:
     def payload_checksum(self, buf: bytearray, block_hash: bytes) -> int | None:
         """The payload checksum recorded in ``buf`` (a 4096-byte header) if the header is
         exactly this spec's for ``block_hash``; None otherwise."""
-        if (buf[:_BHASH_OFF] != self._lead or buf[_BHASH_OFF:_PHASH_OFF] != block_hash
-                or buf[_FP_OFF:_CSUM_OFF] != self._mid
-                or buf[_HEADER.size:HEADER_SIZE] != _RESERVED):
+        # startswith / endswith at an offset compare in place (slices would copy).
+        if not (len(buf) == HEADER_SIZE and buf.startswith(self._lead)
+                and buf.startswith(block_hash, _BHASH_OFF) and len(block_hash) == 16
+                and buf.startswith(self._mid, _FP_OFF) and buf.endswith(_RESERVED)):
             return None
         csum, hcsum = _TAIL.unpack_from(buf, _CSUM_OFF)
         # The header checksum covers the header with its own field zeroed; everything after

@@ -552,7 +552,8 @@ def test_vectored_io_survives_short_transfers(tmp_path, monkeypatch):
     assert control.MAX_HASHES > 64
 
 
-@pytest.mark.parametrize("payload", [1000, 3 * transport.HASH_PIECE + 5])
+@pytest.mark.parametrize("payload", [1000, 3 * transport.HASH_PIECE + 5,
+                                     transport.ONE_READ_BYTES + 5])
 def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
     """read_file (header, payload and probe of one block) carries on after short preadv
     transfers, and its byte count still tells the file's length, small or hashed in pieces."""
@@ -586,7 +587,8 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
     which waits where I/O threads outnumber cores). The count and checksum stay exact, for
     one destination or several (a paged block)."""
     piece = transport.HASH_PIECE
-    payload = 3 * piece + 5
+    payload = transport.ONE_READ_BYTES + 5  # above it: hashed in pieces
+    whole = payload // piece
     pad = -payload % 4096
     data = os.urandom(4096 + payload)
     path = tmp_path / "b"
@@ -610,7 +612,7 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
         assert bytes(header) + bytes(body) == data
         assert csum == blockfile.payload_checksum(data[4096:])
         assert n == (size if size is not None else 4096 + payload + pad + 1)
-        assert len(calls) == 4  # three whole pieces and the last 5 bytes
+        assert len(calls) == whole + 1  # the whole pieces and the last 5 bytes
         assert calls[0][0] == 4096 and sum(calls[0]) == 4096 + piece  # header + piece 1
         assert calls[-1][-1] == pad + 1 and sum(calls[-1]) == 5 + pad + 1  # the probe too
     # Cut short inside the third piece: short count, no checksum.
@@ -619,6 +621,26 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
                                   [memoryview(bytearray(payload))],
                                   memoryview(bytearray(pad + 1)), True)
     assert (n, csum) == (4096 + 2 * piece + 100, None)
+
+
+@pytest.mark.parametrize("payload", [4096, transport.HASH_PIECE + 1,
+                                     transport.ONE_READ_BYTES])
+def test_checksummed_blocks_that_fit_cost_one_transfer(tmp_path, monkeypatch, payload):
+    """Up to ONE_READ_BYTES, a checksummed block is read (header, payload and probe) with one
+    preadv and hashed whole right after it, as the verified-read baseline does."""
+    pad = -payload % 4096
+    data = os.urandom(4096 + payload) + bytes(pad)
+    path = tmp_path / "b"
+    path.write_bytes(data)
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: calls.append(off) or real_preadv(
+        fd, bufs, off))
+    body = memoryview(bytearray(payload))
+    n, csum = transport.read_file(str(path), memoryview(bytearray(4096)), [body],
+                                  memoryview(bytearray(pad + 1)), True)
+    assert calls == [0] and n == len(data) and bytes(body) == data[4096:4096 + payload]
+    assert csum == blockfile.payload_checksum(data[4096:4096 + payload])
 
 
 def test_header_fast_check_is_never_looser_than_the_decode():
