@@ -233,6 +233,17 @@ class PosixTransport:
         self._pinned = _PinnedPool(staging_bytes, staging_buffers)
         self._local = threading.local()
 
+    def reads_to_host(self, t: torch.Tensor) -> bool:
+        """Whether the client reads blocks for ``t`` straight into its memory (host views)."""
+        return t.device.type == "cpu"
+
+    def device_verifies(self, t: torch.Tensor) -> bool:
+        """Whether bytes read into ``t`` land where the host never sees them, so that a load
+        verifies them there (payload sums, :mod:`kvfs.devsum`) rather than by xxh3 on the
+        host. Here: never (CUDA destinations are staged through host memory, and hashed
+        there)."""
+        return False
+
     def open(self, path: str) -> OpenBlock:
         return OpenBlock(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
 
@@ -327,9 +338,10 @@ class PosixTransport:
 class KvikioTransport(PosixTransport):
     """kvikio `CuFile.pread` into CUDA tensors; host destinations take the POSIX path.
 
-    The header is read with a plain `pread`. The payload checksum of bytes that landed in GPU
-    memory needs a host copy of them: the client asks for it only in ``verify="full"`` mode,
-    and it costs one device-to-host copy of each block plus the hash.
+    The header is read with a plain `pread`. Bytes that landed in GPU memory are verified
+    there (:meth:`device_verifies`): the client checks a version 2 block's payload sums with
+    torch ops on the device. Only a version 1 block (no sums) needs :meth:`checksum`, a copy
+    to the host and xxh3 there.
     """
 
     name = "kvikio"
@@ -341,6 +353,9 @@ class KvikioTransport(PosixTransport):
         self._kvikio = kvikio
         self._open_lock = threading.Lock()
         configure_kvikio(kvikio)
+
+    def device_verifies(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
 
     def read(self, f: OpenBlock, offset: int, dests: list[torch.Tensor],
              header: bytearray | None = None, want_checksum: bool = False
