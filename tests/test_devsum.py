@@ -310,3 +310,34 @@ def test_layerwise_device_check_catches_corruption(mount, tenant):
         assert h.wait() == 3
         assert torch.equal(out[:3], kv[:3]) and torch.count_nonzero(out[3]) == 0
         assert dev.stats["corrupt_blocks"] == 1
+
+
+# -- tools/gpu_check.py's verdicts, emulated ------------------------------------------------------
+
+
+def _gpu_check(monkeypatch):
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "tools" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "gpu_check", mod)  # its dataclasses look it up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_check_verdicts_pass_emulated_and_fail_on_a_wrong_verdict(mount, tenant, tmp_path,
+                                                                       monkeypatch, capsys):
+    """The verdict checks that tools/gpu_check.py runs on CUDA, run here through the emulated
+    device: exit 0 as things are, 1 where the device path accepts a corrupted block."""
+    gpu_check = _gpu_check(monkeypatch)
+    out = tmp_path / "v.json"
+    assert gpu_check.main([str(mount.mnt), "--tenant", tenant, "--emulate",
+                           "--json", str(out)]) == 0
+    assert "OK (emulated)" in capsys.readouterr().out
+    monkeypatch.setattr(devsum, "as_tuples", lambda sums: [(0, 0, 0)] * len(sums))
+    assert gpu_check.main([str(mount.mnt), "--tenant", tenant, "--emulate"]) == 1
+    text = capsys.readouterr().out
+    assert "FAILED" in text and "payload sums" in text and "WRONG" in text
