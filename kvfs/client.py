@@ -794,7 +794,7 @@ class KVCache:
         def work() -> None:
             scratch = self._scratch()
             for i in todo:
-                if not prefix.beyond(i):
+                if i <= prefix.end:  # not past a block that failed
                     outcomes[i] = read(i, hashes[i], dests(i), prefix, scratch)
 
         helpers = min(self._threads, len(hashes),
