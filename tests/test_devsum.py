@@ -215,14 +215,17 @@ def test_device_saves_write_version_2_and_loads_verify_the_sums(mount, tenant):
                 hdr, payload = bf.decode(f.read(), sums=True)
             assert hdr.version == 2
         out = torch.zeros_like(kv)
-        calls = []
-        real = devsum.block_sums
+        calls, hashed = [], []
+        real, real_xxh3 = devsum.block_sums, xxhash.xxh3_64_intdigest
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(devsum, "block_sums", lambda t: calls.append(t.shape) or real(t))
-            mp.setattr(xxhash, "xxh3_64_intdigest", None)  # the payload is never hashed
+            mp.setattr(xxhash, "xxh3_64_intdigest", lambda b: hashed.append(
+                memoryview(b).nbytes) or real_xxh3(b))
+            mp.setattr(xxhash, "xxh3_64", None)
             mp.setattr(transport, "checksum", None)
             assert dev.load(hashes, out) == 6
         assert torch.equal(out, kv)
+        assert set(hashed) <= {bf.HEADER_SIZE}  # headers only: the payload is never hashed
         assert calls == [(6, SPEC.block_payload_bytes)]  # one batch for the whole load
         host_out = torch.zeros_like(kv)
         assert host.load(hashes, host_out) == 6 and torch.equal(host_out, kv)  # v2 on the host
