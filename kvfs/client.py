@@ -734,8 +734,7 @@ class KVCache:
         if self.transport.reads_to_host(out):
             base, size = host_view(out), self.spec.block_payload_bytes
             views_of = lambda i: [base[i * size:(i + 1) * size]]  # noqa: E731
-        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of,
-                          blocks.reshape(blocks.shape[0], -1))
+        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of, blocks)
 
     def load_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
                    block_ids: Sequence[int]) -> int:
@@ -781,7 +780,7 @@ class KVCache:
         the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
         none reads past a block that failed. Blocks whose bytes landed where the host does
         not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
-        payloads as rows of one tensor, the contiguous layout)."""
+        contiguous layout's blocks, ``[N, ...]`` bytes)."""
         prefix = _Prefix(len(hashes))
         outcomes: list[_Outcome | None] = [None] * len(hashes)
         if views_of is not None:
@@ -825,6 +824,7 @@ class KVCache:
         if not pending:
             return
         if batch is not None:
+            batch = batch.reshape(batch.shape[0], -1)
             rows = batch[:pending[-1] + 1] if pending[-1] + 1 == len(pending) else \
                 batch[torch.tensor(pending, device=batch.device)]
             got = dict(zip(pending, devsum.as_tuples(devsum.block_sums(rows)), strict=True))
