@@ -234,8 +234,11 @@ def test_bench_restore_measures_every_path(tmp_path):
             assert r["x_raw"] == 1.0 and r["runs"] == 10 and r["requests"] == 20
         else:
             assert r["runs"] == 2 and r["requests"] == 4  # 3 blocks, 2 per request
-        # The direct paths are also compared with the verified-read baseline, run beside them.
+        # The direct paths are also compared with the verified-read baseline, run beside them;
+        # in CPU time too, except where other processes do the work (the mount's daemon).
         assert ("x_raw_xxh3" in r) == r["path"].startswith("direct")
+        assert ("cpu_x_raw_xxh3" in r) == r["path"].startswith("direct")
+        assert ("cpu_x_raw" in r) == (r["path"] not in ("raw", "mount"))
         if r["path"].startswith("direct"):  # what checksumming allows, beside the ratio
             f = r["checksummed_fraction"]
             assert f == 1.0 if r["path"] == "direct" else 0 <= f <= 1

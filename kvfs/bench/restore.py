@@ -33,7 +33,10 @@ pair's (``x_raw_runs``: every pair's).
 
 The targets (the record's verdicts, every cell): ``verify="full"`` warm >= 0.9x
 ``raw+xxh3``, cold >= 0.95x raw; ``verify="sampled"`` warm >= 0.95x raw; the control overhead
-below; fetch amplification 1.00x.
+below; fetch amplification 1.00x. Beside each wall-time ratio, the same pairs give one in CPU
+time (``cpu_x_raw``, ``cpu_x_raw_xxh3``: this process's CPU seconds, all threads, kernel
+time included; not for fio and the mount, whose work other processes do), which the load of
+other processes on a shared machine moves far less than wall time.
 
 Warm, checksumming is CPU that raw ``preadv`` does not spend: the record states what it
 allows. After each round, xxh3_64 is timed over cached bytes (as many threads as the cell,
@@ -309,6 +312,11 @@ def verified_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int) -> Run
     return _by_request(blocks, one)
 
 
+#: Paths whose work is partly done by other processes (fio's jobs, the daemon serving the mount):
+#: this process's CPU time does not say what they cost, so they get no CPU ratio.
+NO_CPU = ("fio", "mount")
+
+
 def ratio_key(path: str) -> str:
     """The row key of a path's ratio to baseline ``path``: x_raw, x_raw_xxh3."""
     return "x_" + path.replace("+", "_")
@@ -401,19 +409,28 @@ def measure(runs: dict[str, Run], repeats: int, cold: bool, daemon_pid: int,
         name: {b: [] for b in ["raw", *pairs.get(name, ())]} for name in names}
     lat: dict[str, list[float]] = {name: [] for name in names}
     extra: dict[str, dict[str, Any]] = {}
+    # CPU seconds of this process (all its threads, kernel time included) per run, and the
+    # baselines' beside each run: what a run costs, which other processes move far less
+    # than its wall time on a shared machine.
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    cpu_paired: dict[str, dict[str, list[float]]] = {
+        name: {b: [] for b in paired[name]} for name in names}
+    last_cpu: dict[str, float] = {}
 
     def once(name: str, own: bool = True) -> float:
         """Run ``name``; ``own``: as itself (its row counts the run), not as another path's
         baseline (raw's row counts every run of raw)."""
         if cold:
             drop_caches(daemon_pid)
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         got, more = runs[name]()
         dt = time.perf_counter() - t
+        last_cpu[name] = time.process_time() - c
         dt = more.pop("seconds", dt)
         if own or name == "raw":
             extra[name] = more
             times[name].append(dt)
+            cpu[name].append(last_cpu[name])
             lat[name] += got
         return float(dt)
 
@@ -425,6 +442,7 @@ def measure(runs: dict[str, Run], repeats: int, cold: bool, daemon_pid: int,
             for name in names:
                 for b, ts in paired[name].items():
                     ts.append(times[b][-1])
+                    cpu_paired[name][b].append(cpu[b][-1])
         else:
             for k, name in enumerate(o for o in order if o != "raw"):
                 base = list(paired[name])  # raw first
@@ -433,9 +451,11 @@ def measure(runs: dict[str, Run], repeats: int, cold: bool, daemon_pid: int,
                 cut = (len(seq) + 1) // 2 if even else len(seq) // 2
                 for b in seq[:cut]:
                     paired[name][b].append(once(b, own=False))
+                    cpu_paired[name][b].append(last_cpu[b])
                 once(name)
                 for b in seq[cut:]:
                     paired[name][b].append(once(b, own=False))
+                    cpu_paired[name][b].append(last_cpu[b])
             if len(names) == 1:  # raw alone
                 once("raw")
         if between is not None:
@@ -448,6 +468,9 @@ def measure(runs: dict[str, Run], repeats: int, cold: bool, daemon_pid: int,
             key = ratio_key(b)
             row[key] = median(ratios)
             row[f"{key}_runs"] = [round(x, 3) for x in ratios]  # how much the pairs disagree
+            if name != b and name not in NO_CPU:
+                row[f"cpu_{key}"] = median([a / t for a, t in zip(
+                    cpu_paired[name][b], cpu[name], strict=True) if t > 0] or [0.0])
         row.update({
             "p50_ms": percentile(lat[name], 50) * 1e3 if lat[name] else None,
             "p99_ms": percentile(lat[name], 99) * 1e3 if lat[name] else None,
@@ -697,6 +720,9 @@ def verdicts(rows: list[dict[str, Any]], ctl: dict[str, Any] | None) -> list[dic
              "met": worst[key] >= target, "worst": round(worst[key], 3),
              "worst_at": f"{worst['block_mib']} MiB, {worst['threads']} threads",
              "median": round(median([r[key] for r in sel]), 3)}
+        cpus = [r[f"cpu_{key}"] for r in sel if f"cpu_{key}" in r]
+        if cpus:  # the same ratio in CPU time, which other processes move less
+            v["cpu_worst"], v["cpu_median"] = round(min(cpus), 3), round(median(cpus), 3)
         bounded = [r for r in sel if r.get("bound_x_raw")]
         if bounded and base == "raw":  # warm: the most that checksumming these bytes allows
             v["bound_median"] = round(median([r["bound_x_raw"] for r in bounded]), 3)
@@ -744,8 +770,10 @@ def table(record: dict[str, Any]) -> str:
         lines += ["", f"against the verified-read baseline ({VERIFIED}: raw preadv, then one "
                   "xxh3_64 pass over each file's bytes in the same thread), same run:"]
         for r in against:
+            cpu = (f"; CPU time {r['cpu_' + key]:.2f}x {VERIFIED}, {r['cpu_x_raw']:.2f}x raw"
+                   if "cpu_" + key in r else "")
             lines.append(f"  {r['block_mib']:>4}Mi {r['cache']:<5} {r['threads']:>3} thr "
-                         f"{r['path']:<15} {r[key]:.2f}x {VERIFIED}, {r['x_raw']:.2f}x raw")
+                         f"{r['path']:<15} {r[key]:.2f}x {VERIFIED}, {r['x_raw']:.2f}x raw{cpu}")
     bounded = sorted((r for r in rows if r.get("bound_x_raw")),
                      key=lambda r: (r["block_mib"], r["threads"], r["path"]))
     if bounded:
@@ -775,6 +803,8 @@ def table(record: dict[str, Any]) -> str:
     for v in record["verdicts"]:
         fig = v.get("measured", v.get("worst"))
         extra = f" (worst at {v['worst_at']}; median {v['median']}x" if "worst_at" in v else ""
+        if "cpu_median" in v:
+            extra += f"; in CPU time worst {v['cpu_worst']}x, median {v['cpu_median']}x"
         if "bound_median" in v:
             extra += (f"; bound for this verification {v['bound_median']}x, reached "
                       f"{v['of_bound_median']} of it")
