@@ -3,12 +3,20 @@
 The payload starts at offset 4096 and is zero-padded to a multiple of 4096 so the whole
 file can be read with O_DIRECT or GPUDirect Storage. Everything here is pure: bytes in,
 bytes out. The byte layout is specified in ``docs/format.md``.
+
+Two versions are read. Version 1 records the payload's xxh3_64; version 2 records, beside
+it, the payload's *sums* (:func:`payload_sums`): a checksum of additions that a GPU computes
+over a block where it lands (``kvfs.devsum``, torch ops, any summation order giving the same
+value), where xxh3's sequential rounds cannot run. Writers that hold the bytes on a device
+write version 2; the reference implementation here (stdlib only) is for tests and vectors.
 """
 
 from __future__ import annotations
 
 import math
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +26,16 @@ import xxhash
 HEADER_SIZE = 4096
 ALIGN = 4096
 MAGIC = b"KVFSBLK\x00"
+#: The version of the model manifest and of a block file without sums.
 FORMAT_VERSION = 1
+#: The block file version whose header carries the payload sums too.
+SUMS_VERSION = 2
+BLOCK_VERSIONS = (FORMAT_VERSION, SUMS_VERSION)
 MAX_NDIM = 8
+#: Payload sums: the payload as little-endian signed 32-bit words, in rows of this many words
+#: (4 KiB, a page); row and column sums are reduced modulo this prime.
+SUMS_ROW_WORDS = 1024
+SUMS_PRIME = 2**31 - 1
 
 DTYPE_SIZES: dict[str, int] = {
     "float32": 4,
@@ -38,9 +54,13 @@ DTYPE_SIZES: dict[str, int] = {
 _HEADER = struct.Struct("<8sII16s16s16sII16s8QQQQ")
 _BHASH_OFF, _PHASH_OFF, _FP_OFF, _CSUM_OFF, _HCSUM_OFF = 16, 32, 48, 160, 168
 _TAIL = struct.Struct("<QQ")  # payload checksum, header checksum
+_SUMS = struct.Struct("<QII")  # version 2, at _SUMS_OFF: word sum, row sum, column sum
+_SUMS_OFF = _HEADER.size
+_SUMS_END = _SUMS_OFF + _SUMS.size
 _ZERO8 = bytes(8)
-_RESERVED = bytes(HEADER_SIZE - _HEADER.size)  # after the fields: all zero
-_ZERO_TAIL = bytes(HEADER_SIZE - _HCSUM_OFF)  # a zeroed header checksum, then _RESERVED
+_RESERVED = bytes(HEADER_SIZE - _HEADER.size)  # version 1: after the fields, all zero
+_RESERVED_2 = bytes(HEADER_SIZE - _SUMS_END)  # version 2: after the sums, all zero
+_U32_MASK = 2**32 - 1
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
 
@@ -74,10 +94,16 @@ class BlockHeader:
     shape: tuple[int, ...]
     payload_len: int
     checksum: int
+    #: (word sum, row sum, column sum) of the payload (:func:`payload_sums`); None: version 1.
+    sums: tuple[int, int, int] | None = None
 
     @property
     def file_size(self) -> int:
         return HEADER_SIZE + padded_size(self.payload_len)
+
+    @property
+    def version(self) -> int:
+        return FORMAT_VERSION if self.sums is None else SUMS_VERSION
 
 
 def padded_size(payload_len: int) -> int:
@@ -88,6 +114,30 @@ def padded_size(payload_len: int) -> int:
 def payload_checksum(payload: object) -> int:
     """xxh3_64 (seed 0) of the payload bytes."""
     return xxhash.xxh3_64_intdigest(_view(payload))
+
+
+def payload_sums(payload: object) -> tuple[int, int, int]:
+    """The payload sums (docs/format.md, version 2): with ``w`` the payload as little-endian
+    signed 32-bit words (zero-padded to a multiple of 4 bytes), rows of
+    :data:`SUMS_ROW_WORDS` words and P = :data:`SUMS_PRIME`: (sum of w mod 2**64, sum over
+    rows r of (r + 1) * (row r's sum mod P) mod P, the same over columns c). The reference
+    implementation: exact but slow (tens of MB/s); ``kvfs.devsum`` computes the same with
+    torch where the bytes are."""
+    mv = _view(payload)
+    if mv.nbytes % 4:
+        mv = memoryview(mv.tobytes() + bytes(-mv.nbytes % 4))
+    if sys.byteorder == "little" and array("i").itemsize == 4:
+        words: Any = mv.cast("i")
+    else:  # pragma: no cover - big-endian or unusual C ints
+        words = array("i" if array("i").itemsize == 4 else "l")
+        words.frombytes(mv.tobytes())
+        if sys.byteorder != "little":
+            words.byteswap()
+    m, k, p = len(words), SUMS_ROW_WORDS, SUMS_PRIME
+    rows = [sum(words[a:a + k]) for a in range(0, m, k)]
+    cols = [sum(words[c::k]) for c in range(min(k, m))]
+    return (sum(rows) % 2**64, sum((r + 1) * (x % p) for r, x in enumerate(rows)) % p,
+            sum((c + 1) * (x % p) for c, x in enumerate(cols)) % p)
 
 
 def _view(data: object) -> memoryview:
@@ -126,6 +176,10 @@ def _validate(h: BlockHeader) -> None:
         )
     if not 0 <= h.checksum <= _U64_MAX:
         raise BlockFormatError("header", f"checksum {h.checksum} out of u64 range")
+    if h.sums is not None and (
+            len(h.sums) != 3 or not 0 <= h.sums[0] <= _U64_MAX
+            or not all(0 <= x < SUMS_PRIME for x in h.sums[1:])):
+        raise BlockFormatError("header", f"payload sums {h.sums} out of range")
 
 
 def make_header(
@@ -137,8 +191,10 @@ def make_header(
     dtype: str,
     shape: Sequence[int],
     payload: object,
+    sums: bool = False,
 ) -> BlockHeader:
-    """Build (and validate) the header for ``payload``; computes its length and checksum."""
+    """Build (and validate) the header for ``payload``; computes its length and checksum
+    (``sums``: and its payload sums, a version 2 header)."""
     mv = _view(payload)
     h = BlockHeader(
         block_hash=_as_bytes(block_hash),
@@ -149,20 +205,23 @@ def make_header(
         shape=tuple(shape),
         payload_len=mv.nbytes,
         checksum=payload_checksum(mv),
+        sums=payload_sums(mv) if sums else None,
     )
     _validate(h)
     return h
 
 
 def encode_header(h: BlockHeader) -> bytes:
-    """The 4096-byte header of ``h``, header checksum included."""
+    """The 4096-byte header of ``h`` (version 2 if it has sums), header checksum included."""
     _validate(h)
     buf = bytearray(HEADER_SIZE)
     _HEADER.pack_into(
-        buf, 0, MAGIC, FORMAT_VERSION, HEADER_SIZE, h.block_hash, h.parent_hash,
+        buf, 0, MAGIC, h.version, HEADER_SIZE, h.block_hash, h.parent_hash,
         h.fingerprint, h.token_count, len(h.shape), h.dtype.encode("ascii"),
         *h.shape, *(0,) * (MAX_NDIM - len(h.shape)), h.payload_len, h.checksum, 0,
     )  # fmt: skip
+    if h.sums is not None:
+        _SUMS.pack_into(buf, _SUMS_OFF, *h.sums)
     struct.pack_into("<Q", buf, _HCSUM_OFF, xxhash.xxh3_64_intdigest(bytes(buf)))
     return bytes(buf)
 
@@ -186,8 +245,9 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
     shape8, (plen, csum, hcsum) = vals[9:17], vals[17:]
     if magic != MAGIC:
         raise BlockFormatError("magic", f"bad magic {magic!r}, expected {MAGIC!r}")
-    if version != FORMAT_VERSION:
-        raise BlockFormatError("version", f"format version {version}, supported {FORMAT_VERSION}")
+    if version not in BLOCK_VERSIONS:
+        raise BlockFormatError(
+            "version", f"format version {version}, supported {', '.join(map(str, BLOCK_VERSIONS))}")
     if hsize != HEADER_SIZE:
         raise BlockFormatError("header", f"header size {hsize}, expected {HEADER_SIZE}")
     if not 1 <= ndim <= MAX_NDIM:
@@ -202,9 +262,17 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         raise BlockFormatError(
             "header-checksum", f"header checksum {hcsum:#018x}, computed {actual:#018x}"
         )
-    if mv[_HEADER.size:HEADER_SIZE].tobytes() != _RESERVED:
-        raise BlockFormatError("header", f"reserved bytes {_HEADER.size}..{HEADER_SIZE} not zero")
-    h = BlockHeader(bhash, phash, fp, tokens, name.decode(), tuple(shape8[:ndim]), plen, csum)
+    sums = None
+    reserved = _HEADER.size
+    if version == SUMS_VERSION:
+        sums = _SUMS.unpack_from(mv, _SUMS_OFF)
+        reserved = _SUMS_END
+    if mv[reserved:HEADER_SIZE].tobytes() != bytes(HEADER_SIZE - reserved):
+        raise BlockFormatError("header", f"reserved bytes {reserved}..{HEADER_SIZE} not zero")
+    if sums is not None and not all(x < SUMS_PRIME for x in sums[1:]):
+        raise BlockFormatError("header", f"payload sums {sums} out of range")
+    h = BlockHeader(bhash, phash, fp, tokens, name.decode(), tuple(shape8[:ndim]), plen, csum,
+                    sums)
     _validate(h)
     return h
 
@@ -212,13 +280,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
 class HeaderCheck:
     """The header every block of one model spec must have, checked by comparing bytes.
 
-    A reader that knows the spec expects every header field but the parent hash and the two
-    checksums: :meth:`payload_checksum` compares those byte ranges with a header encoded once
-    from the spec, checks the header checksum, and returns the payload checksum the header
-    records. It returns None for any other header (a corrupt one, another spec's, or a valid
-    one that differs in a field the fast check pins, such as the token count); the caller
-    then runs :func:`decode_header` and :func:`check` for the verdict and its reason. So a
-    header it accepts is one those two accept: it is a shortcut, never a looser rule.
+    A reader that knows the spec expects every header field but the parent hash, the
+    checksums and (version 2) the payload sums: :meth:`payload_checksum` compares those byte
+    ranges in place with a header encoded once from the spec, in either version, checks the
+    header checksum, and returns the payload checksum the header records. It returns None for
+    any other header (a corrupt one, another spec's, or a valid one that differs in a field
+    the fast check pins, such as the token count); the caller then runs :func:`decode_header`
+    and :func:`check` for the verdict and its reason. So a header it accepts is one those two
+    accept: it is a shortcut, never a looser rule.
     """
 
     def __init__(self, *, fingerprint: bytes, token_count: int, dtype: str,
@@ -228,24 +297,42 @@ class HeaderCheck:
                                          dtype, tuple(shape), plen, 0))
         self.payload_len = plen
         self.file_size = HEADER_SIZE + padded_size(plen)
-        self._lead = head[:_BHASH_OFF]  # magic, version, header size
+        self._lead = head[:_BHASH_OFF]  # magic, version 1, header size
+        self._lead2 = MAGIC + struct.pack("<II", SUMS_VERSION, HEADER_SIZE)
         self._mid = head[_FP_OFF:_CSUM_OFF]  # fingerprint .. payload length
 
     def payload_checksum(self, buf: bytearray, block_hash: bytes) -> int | None:
         """The payload checksum recorded in ``buf`` (a 4096-byte header) if the header is
         exactly this spec's for ``block_hash``; None otherwise."""
-        if (buf[:_BHASH_OFF] != self._lead or buf[_BHASH_OFF:_PHASH_OFF] != block_hash
-                or buf[_FP_OFF:_CSUM_OFF] != self._mid
-                or buf[_HEADER.size:HEADER_SIZE] != _RESERVED):
+        # startswith / endswith at an offset compare in place (slices would copy).
+        if not (len(buf) == HEADER_SIZE and buf.startswith(block_hash, _BHASH_OFF)
+                and len(block_hash) == 16 and buf.startswith(self._mid, _FP_OFF)
+                and buf.endswith(_RESERVED_2)):
+            return None
+        if buf.startswith(self._lead):  # version 1: no sums, zeros where version 2 has them
+            if not buf.startswith(_RESERVED[:_SUMS.size], _SUMS_OFF):
+                return None
+        elif buf.startswith(self._lead2):
+            _, rows, cols = _SUMS.unpack_from(buf, _SUMS_OFF)
+            if rows >= SUMS_PRIME or cols >= SUMS_PRIME:
+                return None
+        else:
             return None
         csum, hcsum = _TAIL.unpack_from(buf, _CSUM_OFF)
-        # The header checksum covers the header with its own field zeroed; everything after
-        # that field is zero too (checked above), so the hash needs no view of the buffer.
-        x = xxhash.xxh3_64(buf[:_HCSUM_OFF])
-        x.update(_ZERO_TAIL)
-        if x.intdigest() != hcsum:
+        # The header checksum covers the header with its own field zeroed: one copy and one
+        # call (a streaming digest costs an allocation and a GIL release per update).
+        copy = bytearray(buf)
+        copy[_HCSUM_OFF:_SUMS_OFF] = _ZERO8
+        if xxhash.xxh3_64_intdigest(copy) != hcsum:
             return None
         return csum  # type: ignore[no-any-return]
+
+    @staticmethod
+    def sums(buf: bytearray) -> tuple[int, int, int] | None:
+        """The payload sums of a header :meth:`payload_checksum` accepted (None: version 1)."""
+        if buf[8] != SUMS_VERSION:
+            return None
+        return _SUMS.unpack_from(buf, _SUMS_OFF)  # type: ignore[return-value]
 
 
 def encode_parts(
@@ -257,12 +344,14 @@ def encode_parts(
     dtype: str,
     shape: Sequence[int],
     payload: object,
+    sums: bool = False,
 ) -> tuple[bytes, memoryview, bytes]:
-    """(header, payload view, zero padding) — write them back to back, e.g. with pwritev."""
+    """(header, payload view, zero padding) — write them back to back, e.g. with pwritev.
+    ``sums``: a version 2 header (the payload sums computed here, slowly: tests, tools)."""
     mv = _view(payload)
     h = make_header(
         block_hash=block_hash, parent_hash=parent_hash, fingerprint=fingerprint,
-        token_count=token_count, dtype=dtype, shape=shape, payload=mv,
+        token_count=token_count, dtype=dtype, shape=shape, payload=mv, sums=sums,
     )  # fmt: skip
     return encode_header(h), mv, bytes(padded_size(h.payload_len) - h.payload_len)
 
@@ -276,11 +365,12 @@ def encode(
     dtype: str,
     shape: Sequence[int],
     payload: object,
+    sums: bool = False,
 ) -> bytes:
-    """The whole file: header, payload, zero padding."""
+    """The whole file: header, payload, zero padding (``sums``: version 2)."""
     parts = encode_parts(
         block_hash=block_hash, parent_hash=parent_hash, fingerprint=fingerprint,
-        token_count=token_count, dtype=dtype, shape=shape, payload=payload,
+        token_count=token_count, dtype=dtype, shape=shape, payload=payload, sums=sums,
     )  # fmt: skip
     return b"".join(parts)
 
@@ -297,6 +387,15 @@ def verify_payload(h: BlockHeader, payload: object) -> None:
         raise BlockFormatError(
             "checksum", f"payload checksum {actual:#018x}, header says {h.checksum:#018x}"
         )
+
+
+def verify_sums(h: BlockHeader, payload: object) -> None:
+    """Check a version 2 payload's sums against the header (a no-op for version 1)."""
+    if h.sums is None:
+        return
+    actual = payload_sums(payload)
+    if actual != h.sums:
+        raise BlockFormatError("checksum", f"payload sums {actual}, header says {h.sums}")
 
 
 def verify_file_size(h: BlockHeader, size: int) -> None:
@@ -317,14 +416,18 @@ def verify_padding(h: BlockHeader, tail: object) -> None:
         raise BlockFormatError("padding", "nonzero bytes in the padding after the payload")
 
 
-def decode(data: bytes | bytearray | memoryview) -> tuple[BlockHeader, memoryview]:
-    """Parse a whole block file; returns the header and a view of the payload."""
+def decode(data: bytes | bytearray | memoryview, *, sums: bool = False
+           ) -> tuple[BlockHeader, memoryview]:
+    """Parse a whole block file; returns the header and a view of the payload. ``sums``:
+    check a version 2 payload's sums too, after its xxh3 (slow: the reference code)."""
     mv = _view(data)
     h = decode_header(mv)
     verify_file_size(h, mv.nbytes)
     end = HEADER_SIZE + h.payload_len
     payload = mv[HEADER_SIZE:end]
     verify_payload(h, payload)
+    if sums:
+        verify_sums(h, payload)
     verify_padding(h, mv[end:])
     return h, payload
 

@@ -479,6 +479,12 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
         raise CliError("--sizes and --threads take comma-separated integers", EXIT_USAGE) from None
     if not args.sizes or not args.threads or min(args.sizes + args.threads) < 1:
         raise CliError("--sizes and --threads take positive integers", EXIT_USAGE)
+    if args.paths is not None:
+        args.paths = [p for p in str(args.paths).split(",") if p]
+        unknown = sorted(set(args.paths) - set(restore.PATHS))
+        if unknown or not args.paths:
+            raise CliError(f"--paths: unknown {', '.join(unknown) or '(none given)'}; "
+                           f"known: {', '.join(restore.PATHS)}", EXIT_USAGE)
     if (min(args.repeats, args.warm_repeats) < 1 or args.control_requests < 0
             or args.request_mib < 1
             or args.total_mib < max(args.sizes)):
@@ -737,6 +743,10 @@ def build_parser() -> argparse.ArgumentParser:
     br.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold page-cache figures (they need root)")
     br.add_argument("--no-fio", dest="fio", action="store_false", help="skip fio")
+    br.add_argument("--paths", default=None,
+                    help="comma-separated paths to measure (default: all of raw, raw+xxh3, "
+                         "fio, direct, direct-sampled, mount, torch.load; raw always, raw+xxh3 "
+                         "with a direct path)")
     br.add_argument("--control-only", action="store_true", dest="control_only",
                     help="only the control-plane figures")
     br.add_argument("--quick", action="store_true", help="a smoke run: small, one repeat")

@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from . import blockfile, control
+from . import blockfile, control, devsum
 from .hashing import ROOT_PARENT, ModelSpec
 from .hashing import block_hashes as _block_hashes
 from .store import TEMP_PREFIX
@@ -118,6 +118,9 @@ class _Outcome:
     read: int = 0  # bytes read from its file
     ok: bool = False
     error: Exception | None = None  # why it is not loaded, where that is more than "absent"
+    # The payload sums its header records, to be checked where the bytes landed (a device
+    # the host never reads) once the load's reads are done; ok stays False until then.
+    sums: tuple[int, int, int] | None = None
 
 
 @dataclass
@@ -572,7 +575,11 @@ class KVCache:
         """
         blocks = self._blocks(kv, len(hashes), "kv")
         _stream_done(kv)
-        return self._save(list(hashes), lambda i: [blocks[i].reshape(-1)], parent)
+        sums = None
+        if hashes and self._wants_sums(kv):  # one batch for all blocks, where they are
+            sums = devsum.as_tuples(devsum.block_sums(blocks[:len(hashes)].reshape(
+                len(hashes), -1)))
+        return self._save(list(hashes), lambda i: [blocks[i].reshape(-1)], parent, sums)
 
     def save_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
                    block_ids: Sequence[int], *, parent: bytes | None = None) -> int:
@@ -581,11 +588,17 @@ class KVCache:
         _stream_done(layers[0])
         return self._save(list(hashes), pages, parent)
 
+    def _wants_sums(self, t: torch.Tensor) -> bool:
+        """Whether blocks saved from ``t`` get payload sums (version 2): where they are on a
+        device, which computes them cheaply and whose loads verify them there."""
+        return t.device.type != "cpu" or self.transport.device_verifies(t)
+
     def _save(self, hashes: list[bytes], parts_of: Callable[[int], list[torch.Tensor]],
-              parent: bytes | None) -> int:
+              parent: bytes | None, sums: list[tuple[int, int, int]] | None = None) -> int:
         parents = [ROOT_PARENT if parent is None else bytes(parent), *hashes[:-1]]
         todo = [i for i, h in enumerate(hashes) if not os.path.exists(self.path(h))]
-        futures = [(i, self._pool.submit(self._write_block, hashes[i], parents[i], parts_of(i)))
+        futures = [(i, self._pool.submit(self._write_block, hashes[i], parents[i], parts_of(i),
+                                         sums[i] if sums is not None else None))
                    for i in todo]
         written: list[bytes] = []
         errors: list[BaseException] = []
@@ -613,8 +626,12 @@ class KVCache:
             raise errors[0]
         return len(written)
 
-    def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor]) -> int:
-        """Write one block file under a temporary name and rename it into place."""
+    def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor],
+                     sums: tuple[int, int, int] | None = None) -> int:
+        """Write one block file under a temporary name and rename it into place: version 2
+        (with the payload sums, given or computed here) where the parts are on a device."""
+        if sums is None and self._wants_sums(parts[0]):
+            sums = devsum.payload_sums(parts)
         host = [p if p.device.type == "cpu" else p.to("cpu") for p in parts]
         views = [host_view(p) for p in host]
         plen = sum(v.nbytes for v in views)
@@ -622,7 +639,7 @@ class KVCache:
         head = blockfile.encode_header(blockfile.BlockHeader(
             block_hash=h, parent_hash=parent, fingerprint=self._fingerprint,
             token_count=s.block_size, dtype=s.kv_dtype, shape=self._shape,
-            payload_len=plen, checksum=checksum(views)))
+            payload_len=plen, checksum=checksum(views), sums=sums))
         pad = _ZEROS[:blockfile.padded_size(plen) - plen]
         final = self.path(h)
         fan = os.path.dirname(final)
@@ -658,8 +675,15 @@ class KVCache:
             self._count(dropped_saves=1)
             log.debug("save queue full: dropped a save of %d blocks", len(hashes))
             return False
-        event = None
+        event = sums = None
         if kv.device.type == "cuda":
+            # The payload sums are computed on the device, queued with the copy on the
+            # caller's stream; the writer waits for both.
+            n = len(hashes)
+            sums = torch.empty((n, 3), dtype=torch.int64, pin_memory=True)
+            if n:
+                blocks = kv.view(torch.uint8).reshape(kv.shape[0], -1)[:n]
+                sums.copy_(devsum.block_sums(blocks), non_blocking=True)
             host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
             host.copy_(kv, non_blocking=True)
             event = torch.cuda.Event()
@@ -670,16 +694,21 @@ class KVCache:
                 self._writer = threading.Thread(target=self._write_queued, daemon=True,
                                                 name="kvfs-save")
                 self._writer.start()
-        self._saves.put((list(hashes), kv, parent, event))
+        self._saves.put((list(hashes), kv, parent, event, sums))
         return True
 
     def _write_queued(self) -> None:
         while (item := self._saves.get()) is not None:
-            hashes, kv, parent, event = item
+            hashes, kv, parent, event, sums = item
             try:
                 if event is not None:
                     event.synchronize()
-                self.save(hashes, kv, parent=parent)
+                if sums is None:
+                    self.save(hashes, kv, parent=parent)
+                else:  # copied from a device, with the sums computed there
+                    blocks = self._blocks(kv, len(hashes), "kv")
+                    self._save(list(hashes), lambda i, b=blocks: [b[i].reshape(-1)], parent,
+                               devsum.as_tuples(sums))
             except Exception as exc:  # noqa: BLE001 - a lost save is a later miss, never fatal
                 self._count(failed_saves=1)
                 log.warning("queued save of %d blocks failed: %s", len(hashes), exc)
@@ -702,10 +731,10 @@ class KVCache:
         blocks = self._blocks(out, len(hashes), "out")
         _stream_done(out)
         views_of = None
-        if out.device.type == "cpu":
+        if self.transport.reads_to_host(out):
             base, size = host_view(out), self.spec.block_payload_bytes
             views_of = lambda i: [base[i * size:(i + 1) * size]]  # noqa: E731
-        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of)
+        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of, blocks)
 
     def load_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
                    block_ids: Sequence[int]) -> int:
@@ -713,7 +742,7 @@ class KVCache:
         pages = self._pages(layers, block_ids, len(hashes))
         _stream_done(layers[0])
         views_of = None
-        if all(t.device.type == "cpu" for t in layers):
+        if all(self.transport.reads_to_host(t) for t in layers):
             bases, size = [host_view(t) for t in layers], self._layer_bytes
             ids = [int(b) for b in block_ids[:len(hashes)]]
             views_of = lambda i: [b[ids[i] * size:(ids[i] + 1) * size]  # noqa: E731
@@ -744,11 +773,14 @@ class KVCache:
         return handle
 
     def _load(self, hashes: list[bytes], tensors_of: Callable[[int], list[torch.Tensor]],
-              views_of: Callable[[int], list[memoryview]] | None = None) -> int:
+              views_of: Callable[[int], list[memoryview]] | None = None,
+              batch: torch.Tensor | None = None) -> int:
         """Read block i into ``tensors_of(i)`` (host memory: into ``views_of(i)``, byte views
         of the same memory). The calling thread reads too, beside as many pool threads as
         the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
-        none reads past a block that failed."""
+        none reads past a block that failed. Blocks whose bytes landed where the host does
+        not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
+        contiguous layout's blocks, ``[N, ...]`` bytes)."""
         prefix = _Prefix(len(hashes))
         outcomes: list[_Outcome | None] = [None] * len(hashes)
         if views_of is not None:
@@ -761,7 +793,7 @@ class KVCache:
         def work() -> None:
             scratch = self._scratch()
             for i in todo:
-                if not prefix.beyond(i):
+                if i <= prefix.end:  # not past a block that failed
                     outcomes[i] = read(i, hashes[i], dests(i), prefix, scratch)
 
         helpers = min(self._threads, len(hashes),
@@ -773,7 +805,40 @@ class KVCache:
             wait(futures)
         for f in futures:
             f.result()
+        self._verify_on_device(outcomes, tensors_of, batch)
         return self._finish_load(hashes, outcomes, tensors_of)
+
+    def _verify_on_device(self, outcomes: Sequence[_Outcome | None],
+                          tensors_of: Callable[[int], list[torch.Tensor]],
+                          batch: torch.Tensor | None) -> None:
+        """Check the payload sums of the blocks read so far that await them (a version 2
+        block read where the host never sees its bytes), with torch ops on their device:
+        one batch for the contiguous layout, one block at a time for pages. Blocks past the
+        first failure stay unverified: they are past the prefix, never returned."""
+        pending = []
+        for i, o in enumerate(outcomes):
+            if o is None or (not o.ok and o.sums is None):
+                break
+            if o.sums is not None:
+                pending.append(i)
+        if not pending:
+            return
+        if batch is not None:
+            batch = batch.reshape(batch.shape[0], -1)
+            rows = batch[:pending[-1] + 1] if pending[-1] + 1 == len(pending) else \
+                batch[torch.tensor(pending, device=batch.device)]
+            got = dict(zip(pending, devsum.as_tuples(devsum.block_sums(rows)), strict=True))
+        else:
+            got = {i: devsum.payload_sums(tensors_of(i)) for i in pending}
+        for i in pending:
+            o = outcomes[i]
+            assert o is not None and o.sums is not None
+            if got[i] == o.sums:
+                o.ok = True
+            else:
+                o.error = blockfile.BlockFormatError(
+                    "checksum", f"payload sums {got[i]}, header says {o.sums}")
+            o.sums = None
 
     def _scratch(self) -> tuple[bytearray, memoryview, memoryview]:
         """This thread's header buffer (and a view of it) and its probe: the padding after
@@ -818,16 +883,26 @@ class KVCache:
         """The same for CUDA destinations, through the transport (staged, or kvikio)."""
         header = scratch[0]
         out = _Outcome()
+        checksummed = self._checksummed(h)
+        # Bytes that land where the host never sees them (kvikio into GPU memory) are
+        # checked there, by their payload sums, once the load's reads are done.
+        on_device = checksummed and self.transport.device_verifies(dests[0])
         try:
             f = self.transport.open(self.path(h))
             try:
                 n, csum = self.transport.read(f, 0, dests, header,
-                                              want_checksum=self._checksummed(h))
+                                              want_checksum=checksummed and not on_device)
                 size = self.transport.size(f) if n >= self._file_bytes else n
+                out.read = n
+                self._verify_read(h, header, size, csum)  # all but the payload if on_device
+                if on_device:
+                    out.sums = blockfile.HeaderCheck.sums(header)
+                    if out.sums is not None:
+                        return out
+                    # Version 1 (no sums): the host checks it, from a copy of its bytes.
+                    self._verify_read(h, header, size, self.transport.checksum(dests))
             finally:
                 self.transport.close(f)
-            out.read = n
-            self._verify_read(h, header, size, csum)
             out.ok = True
         except FileNotFoundError:
             prefix.fail(i)
@@ -910,14 +985,25 @@ class KVCache:
                             outcomes[i].error = exc
                         n = min(n, i)
                 handle._layer_ready(layer, n)
+            checked = [i for i in range(n) if self._checksummed(hashes[i])]
+            # Version 2 blocks in memory the host does not read: their sums, on the device.
+            on_device = self.transport.device_verifies(blocks)
+            device = [i for i in checked if on_device and _has_sums(opened[i])]
             checks = [(i, self._pool.submit(self.transport.checksum, [blocks[i].reshape(-1)]))
-                      for i in range(n) if self._checksummed(hashes[i])]
-            sums = {i: fut.result() for i, fut in checks}
+                      for i in checked if not (device and i in device)]
+            got: dict[int, Any] = {i: fut.result() for i, fut in checks}
+            if device:
+                rows = blocks.reshape(blocks.shape[0], -1)[torch.tensor(device,
+                                                                        device=blocks.device)]
+                got.update(zip(device, devsum.as_tuples(devsum.block_sums(rows)), strict=True))
             for i in range(n):
-                want = opened[i].header.checksum  # type: ignore[union-attr]
-                if i in sums and sums[i] != want:
-                    outcomes[i].error = blockfile.BlockFormatError(
-                        "checksum", f"payload checksum {sums[i]:#018x}, header says {want:#018x}")
+                hdr = opened[i].header
+                assert hdr is not None
+                want: Any = hdr.sums if i in device else hdr.checksum
+                if i in got and got[i] != want:
+                    what = (f"payload sums {got[i]}, header says {want}" if i in device else
+                            f"payload checksum {got[i]:#018x}, header says {want:#018x}")
+                    outcomes[i].error = blockfile.BlockFormatError("checksum", what)
                     break
                 outcomes[i].ok = True
         finally:
@@ -957,6 +1043,10 @@ class KVCache:
         self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
                     corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)
         return n
+
+
+def _has_sums(o: _Opened) -> bool:
+    return o.header is not None and o.header.sums is not None
 
 
 def _stream_done(t: torch.Tensor) -> None:

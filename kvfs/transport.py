@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import importlib
 import logging
 import os
@@ -44,6 +45,15 @@ log = logging.getLogger(__name__)
 #: again on a 2-core host with 1 and 4 MiB blocks, 1 and 4 threads, interleaved: 64 and
 #: 128 KiB pieces were slower (more transfers per block), 512 KiB no better.
 HASH_PIECE = 256 << 10
+#: A checksummed payload of at most this many bytes is read with the header in one transfer,
+#: then hashed whole (still in this core's cache: L2 is 1-2 MiB per core on current server
+#: CPUs), as the verified-read baseline does: pieces would add transfers and no cache hits.
+ONE_READ_BYTES = 1 << 20
+#: preadv2's RWF_NOWAIT (Linux): a piece read with it that would wait for the disk comes back
+#: short instead, which tells a cold block from a cached one at no extra call (0: not here).
+NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+#: Buffers per preadv call at most (Linux's IOV_MAX).
+IOV_MAX = 1024
 #: kvikio settings: its thread pool splits each read into tasks of this size.
 KVIKIO_THREADS = 16
 KVIKIO_TASK_SIZE = 1 << 20
@@ -139,7 +149,7 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         payload = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
-        if not want_checksum or payload <= HASH_PIECE:
+        if not want_checksum or payload <= ONE_READ_BYTES:
             # Transfers go on until header and payload are full (or the file ends); the
             # probe takes what the last one brings. So a sound file costs one preadv, where
             # reading to the end of the file would cost a second one that returns 0.
@@ -157,9 +167,15 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
             pieces = [[v[o:o + HASH_PIECE]] for o in range(0, payload, HASH_PIECE)]
         else:
             pieces = list(_pieces(views, HASH_PIECE))
+        # Each piece is asked for without waiting for the disk (RWF_NOWAIT): from the page
+        # cache that changes nothing; a piece that is not all there (a cold block) comes
+        # back short, and the rest of the block is then read in one transfer, as raw preadv
+        # reads it (one large request the disk serves at its speed, where one request per
+        # piece would leave it idle between them), and hashed after.
         last = len(pieces) - 1
         x = xxhash.xxh3_64()  # streaming: the digest of the whole payload
         n = 0
+        nowait = NOWAIT
         for k, piece in enumerate(pieces):
             size = piece[0].nbytes if len(piece) == 1 else sum(p.nbytes for p in piece)
             if k == 0:
@@ -167,7 +183,31 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
                 bufs = [header, *piece, probe] if k == last else [header, *piece]
             else:
                 bufs = [*piece, probe] if k == last else piece
-            got = _fill(fd, bufs, n, size)
+            got = -1
+            if nowait:
+                try:
+                    got = os.preadv(fd, bufs, n, nowait)
+                except BlockingIOError:
+                    got = 0
+                except OSError as exc:  # a filesystem without it (EOPNOTSUPP): plain reads
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    nowait = 0
+            if 0 <= got < size:  # not all in the page cache: the rest in one transfer
+                rest = _advance(bufs + [v for p in pieces[k + 1:] for v in p]
+                                + ([probe] if k != last else []), got)
+                need = header.nbytes + payload - n
+                for a in range(0, len(rest), IOV_MAX):  # one transfer, unless too many
+                    if got < need:
+                        got += _fill(fd, rest[a:a + IOV_MAX], n + got, need - got)
+                n += got
+                if got < need:  # the file ends early: the caller sees the short count
+                    return n, None
+                for p in (v for q in pieces[k:] for v in q):
+                    x.update(p)
+                return n, x.intdigest()
+            if got < 0:
+                got = _fill(fd, bufs, n, size)
             n += got
             if got < size:  # the file ends early: the caller sees the short count
                 return n, None
@@ -228,6 +268,17 @@ class PosixTransport:
     def __init__(self, staging_bytes: int, staging_buffers: int) -> None:
         self._pinned = _PinnedPool(staging_bytes, staging_buffers)
         self._local = threading.local()
+
+    def reads_to_host(self, t: torch.Tensor) -> bool:
+        """Whether the client reads blocks for ``t`` straight into its memory (host views)."""
+        return t.device.type == "cpu"
+
+    def device_verifies(self, t: torch.Tensor) -> bool:
+        """Whether bytes read into ``t`` land where the host never sees them, so that a load
+        verifies them there (payload sums, :mod:`kvfs.devsum`) rather than by xxh3 on the
+        host. Here: never (CUDA destinations are staged through host memory, and hashed
+        there)."""
+        return False
 
     def open(self, path: str) -> OpenBlock:
         return OpenBlock(os.open(path, os.O_RDONLY | os.O_CLOEXEC))
@@ -323,9 +374,10 @@ class PosixTransport:
 class KvikioTransport(PosixTransport):
     """kvikio `CuFile.pread` into CUDA tensors; host destinations take the POSIX path.
 
-    The header is read with a plain `pread`. The payload checksum of bytes that landed in GPU
-    memory needs a host copy of them: the client asks for it only in ``verify="full"`` mode,
-    and it costs one device-to-host copy of each block plus the hash.
+    The header is read with a plain `pread`. Bytes that landed in GPU memory are verified
+    there (:meth:`device_verifies`): the client checks a version 2 block's payload sums with
+    torch ops on the device. Only a version 1 block (no sums) needs :meth:`checksum`, a copy
+    to the host and xxh3 there.
     """
 
     name = "kvikio"
@@ -337,6 +389,9 @@ class KvikioTransport(PosixTransport):
         self._kvikio = kvikio
         self._open_lock = threading.Lock()
         configure_kvikio(kvikio)
+
+    def device_verifies(self, t: torch.Tensor) -> bool:
+        return t.device.type == "cuda"
 
     def read(self, f: OpenBlock, offset: int, dests: list[torch.Tensor],
              header: bytearray | None = None, want_checksum: bool = False

@@ -139,8 +139,13 @@ def test_magic() -> None:
 
 
 def test_version() -> None:
-    err = expect("version", patch(GOOD, 8, struct.pack("<I", 2)))
-    assert "2" in str(err)
+    err = expect("version", patch(GOOD, 8, struct.pack("<I", 3)))
+    assert "3" in str(err)
+    expect("version", patch(GOOD, 8, struct.pack("<I", 0)))
+    # Version 2 (payload sums) with the sums left zero: a wrong version-2 header, never a
+    # version-1 one (its sums are checked where a reader checks them).
+    with pytest.raises(BlockFormatError, match="checksum"):
+        bf.decode(patch(GOOD, 8, struct.pack("<I", 2)), sums=True)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -552,7 +553,8 @@ def test_vectored_io_survives_short_transfers(tmp_path, monkeypatch):
     assert control.MAX_HASHES > 64
 
 
-@pytest.mark.parametrize("payload", [1000, 3 * transport.HASH_PIECE + 5])
+@pytest.mark.parametrize("payload", [1000, 3 * transport.HASH_PIECE + 5,
+                                     transport.ONE_READ_BYTES + 5])
 def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
     """read_file (header, payload and probe of one block) carries on after short preadv
     transfers, and its byte count still tells the file's length, small or hashed in pieces."""
@@ -562,8 +564,8 @@ def test_block_reads_survive_short_transfers(tmp_path, monkeypatch, payload):
     real_preadv = os.preadv
     # Short transfers that stop inside a buffer (as a signal may stop one): the payload's
     # end is never a transfer's end here, so the probe's count is exact (see read_file).
-    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off: real_preadv(
-        fd, [bufs[0][:777]] if bufs[0].nbytes > 777 else bufs, off))
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, *flags: real_preadv(
+        fd, [bufs[0][:777]] if bufs[0].nbytes > 777 else bufs, off, *flags))
     for tail, size in ((bytes(pad), 4096 + payload + pad), (bytes(pad + 1), None),
                        (b"", 4096 + payload)):
         path.write_bytes(data + tail)
@@ -586,16 +588,17 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
     which waits where I/O threads outnumber cores). The count and checksum stay exact, for
     one destination or several (a paged block)."""
     piece = transport.HASH_PIECE
-    payload = 3 * piece + 5
+    payload = transport.ONE_READ_BYTES + 5  # above it: hashed in pieces
+    whole = payload // piece
     pad = -payload % 4096
     data = os.urandom(4096 + payload)
     path = tmp_path / "b"
     calls = []
     real_preadv = os.preadv
 
-    def counted(fd, bufs, off):
+    def counted(fd, bufs, off, *flags):
         calls.append([b.nbytes for b in bufs])
-        return real_preadv(fd, bufs, off)
+        return real_preadv(fd, bufs, off, *flags)
 
     monkeypatch.setattr(os, "preadv", counted)
     cuts = [0, *sorted(int(k * payload / views) for k in range(1, views)), payload]
@@ -610,7 +613,7 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
         assert bytes(header) + bytes(body) == data
         assert csum == blockfile.payload_checksum(data[4096:])
         assert n == (size if size is not None else 4096 + payload + pad + 1)
-        assert len(calls) == 4  # three whole pieces and the last 5 bytes
+        assert len(calls) == whole + 1  # the whole pieces and the last 5 bytes
         assert calls[0][0] == 4096 and sum(calls[0]) == 4096 + piece  # header + piece 1
         assert calls[-1][-1] == pad + 1 and sum(calls[-1]) == 5 + pad + 1  # the probe too
     # Cut short inside the third piece: short count, no checksum.
@@ -619,6 +622,82 @@ def test_hashed_block_reads_cost_one_transfer_per_piece(tmp_path, monkeypatch, v
                                   [memoryview(bytearray(payload))],
                                   memoryview(bytearray(pad + 1)), True)
     assert (n, csum) == (4096 + 2 * piece + 100, None)
+
+
+@pytest.mark.parametrize("payload", [4096, transport.HASH_PIECE + 1,
+                                     transport.ONE_READ_BYTES])
+def test_checksummed_blocks_that_fit_cost_one_transfer(tmp_path, monkeypatch, payload):
+    """Up to ONE_READ_BYTES, a checksummed block is read (header, payload and probe) with one
+    preadv and hashed whole right after it, as the verified-read baseline does."""
+    pad = -payload % 4096
+    data = os.urandom(4096 + payload) + bytes(pad)
+    path = tmp_path / "b"
+    path.write_bytes(data)
+    calls = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(os, "preadv", lambda fd, bufs, off, *flags: calls.append(
+        off) or real_preadv(fd, bufs, off, *flags))
+    body = memoryview(bytearray(payload))
+    n, csum = transport.read_file(str(path), memoryview(bytearray(4096)), [body],
+                                  memoryview(bytearray(pad + 1)), True)
+    assert calls == [0] and n == len(data) and bytes(body) == data[4096:4096 + payload]
+    assert csum == blockfile.payload_checksum(data[4096:4096 + payload])
+
+
+@pytest.mark.parametrize("views", [1, 3])
+def test_a_cold_block_is_read_in_one_transfer(tmp_path, monkeypatch, views):
+    """A block hashed in pieces asks for each piece without waiting for the disk; when one
+    is not in the page cache (here: the file's pages dropped), the rest of the block comes
+    in one transfer, as raw preadv reads it, and the count and checksum stay exact. Where
+    the filesystem has no RWF_NOWAIT, plain reads."""
+    if not transport.NOWAIT:
+        pytest.skip("no RWF_NOWAIT here")
+    payload = 4 * transport.ONE_READ_BYTES + 5
+    pad = -payload % 4096
+    data = os.urandom(4096 + payload)
+    path = tmp_path / "b"
+    path.write_bytes(data + bytes(pad))
+    calls = []
+    real_preadv = os.preadv
+
+    def counted(fd, bufs, off, *flags):
+        calls.append((off, sum(b.nbytes for b in bufs), bool(flags and flags[0])))
+        return real_preadv(fd, bufs, off, *flags)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    cuts = [0, *sorted(int(k * payload / views) for k in range(1, views)), payload]
+
+    def read() -> tuple[int, int | None, bytes]:
+        body = memoryview(bytearray(payload))
+        parts = [body[a:b] for a, b in zip(cuts, cuts[1:], strict=False)]
+        header = memoryview(bytearray(4096))
+        n, csum = transport.read_file(str(path), header, parts, memoryview(bytearray(pad + 1)),
+                                      True)
+        return n, csum, bytes(header) + bytes(body)
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold
+    finally:
+        os.close(fd)
+    calls.clear()
+    n, csum, got = read()
+    assert (n, csum, got) == (len(data) + pad, blockfile.payload_checksum(data[4096:]), data)
+    assert calls[0][2] and calls[0][1] == 4096 + transport.HASH_PIECE  # asked without waiting
+    blocking = [c for c in calls if not c[2]]
+    assert len(blocking) == 1 and blocking[0][1] + blocking[0][0] == len(data) + pad + 1
+    calls.clear()
+    assert read() == (n, csum, got)  # warm now: one transfer per piece, none blocking
+    assert len(calls) == -(-payload // transport.HASH_PIECE) and all(c[2] for c in calls)
+
+    def unsupported(fd, bufs, off, *flags):
+        if flags and flags[0]:
+            raise OSError(errno.EOPNOTSUPP, "no RWF_NOWAIT")
+        return real_preadv(fd, bufs, off)
+
+    monkeypatch.setattr(os, "preadv", unsupported)
+    assert read() == (n, csum, got)
 
 
 def test_header_fast_check_is_never_looser_than_the_decode():

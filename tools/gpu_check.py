@@ -15,10 +15,19 @@ use) and starts after `posix_fadvise(DONTNEED)` of the block files (written with
 fsync, so the kernel may drop them; kvikio's page-cache probe, where present, says whether it
 did), or with the files left in the page cache (``--warm``: the path's own cost). Where FUSE cannot
 be mounted, it says why and runs the same client over a plain directory (control calls
-counted, not sent). Where there is no GPU it says so and exits 0. Exit 1: a byte differed.
+counted, not sent). Where there is no GPU it says so and exits 0.
+
+Then the verdicts (:func:`verdicts`): payload sums (block format version 2) computed by torch
+on the GPU equal the host's reference for every size and alignment tried; blocks saved from
+CUDA are version 2; and a block with one corrupted payload byte is a miss (the load's prefix
+ends there, its slice zeroed) for ``load``, ``load_async`` and ``load_paged``, in version 2
+(checked on the GPU) and version 1 (checked on the host), exactly where the host's own
+check (``blockfile.decode``) refuses the same file. Exit 1: a byte differed or a verdict was
+wrong. ``--emulate`` runs the verdicts alone on the CPU, through a transport that acts for
+CPU tensors as kvikio does for CUDA ones (the tests' fake), where no GPU is lent.
 
     python tools/gpu_check.py [MOUNT] [--tenant T] [--blocks N] [--block-mib M] [--dir D]
-                              [--warm] [--json PATH]
+                              [--warm] [--json PATH] [--emulate]
 """
 
 from __future__ import annotations
@@ -160,6 +169,114 @@ def drop_cache(paths: list[str], kvikio: Any = None) -> str:
     return "page cache residency not measured"
 
 
+def _corrupt_byte(path: str, offset: int) -> int:
+    """Flip the bits of one byte of a file; returns the byte it had."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        old = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([old ^ 0x5A]))
+    return old
+
+
+def verdicts(open_cache: Any, dev: Any, io: str, make_transport: Any = None) -> list[str]:
+    """The device path's verdicts on ``dev``: what went wrong (empty: all as the host says).
+
+    ``open_cache(spec=, **options)`` opens a client; the device's uses transport ``io``, or
+    ``make_transport(spec)`` where given (``--emulate``: a device transport for CPU
+    tensors)."""
+    import random
+
+    import torch
+
+    from kvfs import blockfile, devsum
+    from kvfs.hashing import ModelSpec
+    from kvfs.transport import host_view
+
+    failures: list[str] = []
+    rng = random.Random(14)
+    gen = torch.Generator().manual_seed(14)
+    # 1. The sums on the device equal the host's reference, for every size and alignment.
+    for size in (1, 12, 4095, 4096, 4097, 3 * 4096 + 7, 1 << 20):
+        host = torch.randint(0, 256, (size + 1,), dtype=torch.uint8, generator=gen)
+        for t in (host[:size], host[1:]):  # 4-byte aligned, and not
+            want = blockfile.payload_sums(host_view(t.contiguous()))
+            if devsum.payload_sums([t.to(dev)]) != want:
+                failures.append(f"payload sums of {t.numel()} bytes on {dev}")
+    rows = torch.randint(0, 256, (6, 2 * 4096 + 6), dtype=torch.uint8, generator=gen)
+    if devsum.as_tuples(devsum.block_sums(rows.to(dev))) != [
+            blockfile.payload_sums(host_view(rows[i].contiguous())) for i in range(6)]:
+        failures.append(f"payload sums of a batch on {dev}")
+    say(f"verdicts: payload sums on {dev}: "
+        f"{'equal to the reference' if not failures else 'DIFFER'}")
+
+    # 2. Loads of corrupted blocks, version 2 (saved from the device) and 1 (from the host).
+    spec = ModelSpec(model="kvfs/gpu-check-verdicts", revision="1", kv_dtype="bfloat16",
+                     block_size=16, num_layers=4, num_kv_heads=2, head_dim=32)  # 4 KiB layers
+    n = 8
+    kv = torch.randn((n, *spec.block_shape), generator=gen).to(torch.bfloat16)
+    start = rng.randrange(1 << 30)
+
+    def opened() -> Any:
+        c = open_cache(spec=spec, io=io)
+        if make_transport is not None:
+            c.transport = make_transport(spec)
+        return c
+
+    with opened() as c, open_cache(spec=spec, io="posix") as host:
+        runs = []
+        for version, saver, src in ((2, c, kv.to(dev)), (1, host, kv)):
+            hashes = c.block_hashes(list(range(start, start + n * spec.block_size)),
+                                    extra=f"v{version}")
+            saver.save(hashes, src)
+            with open(c.path(hashes[0]), "rb") as f:
+                got = blockfile.decode_header(f.read(4096)).version
+            if got != version:
+                failures.append(f"a block saved from {src.device} is version {got}, "
+                                f"expected {version}")
+            runs.append((version, hashes, src))
+        for version, hashes, saved in runs:
+            src = saved.to(dev)  # loaded into device memory, whichever version
+            for form in ("load", "load_async", "load_paged"):
+                j = rng.randrange(1, n)
+                path = c.path(hashes[j])
+                off = 4096 + rng.randrange(spec.block_payload_bytes)
+                _corrupt_byte(path, off)
+                try:  # the host's verdict on the same file, first
+                    with open(path, "rb") as f:
+                        blockfile.decode(f.read())
+                    failures.append(f"the host accepted a corrupted file ({form})")
+                except blockfile.BlockFormatError:
+                    pass
+                out = torch.full_like(src, 3.0)
+                if form == "load":
+                    got = c.load(hashes, out)
+                    rest = out
+                elif form == "load_async":
+                    got = c.load_async(hashes, out).wait()
+                    rest = out
+                else:
+                    layers = [torch.full((n, *spec.block_shape[1:]), 3.0, dtype=src.dtype,
+                                         device=src.device) for _ in range(spec.num_layers)]
+                    got = c.load_paged(hashes, layers, list(range(n)))
+                    rest = torch.stack(layers, dim=1)
+                ok = (got == j and torch.equal(rest[:j], src[:j])
+                      and int(torch.count_nonzero(rest[j])) == 0)
+                say(f"verdicts: version {version}, {form}, byte {off} of block {j} corrupted: "
+                    f"{got} blocks loaded, {'a miss there, as on the host' if ok else 'WRONG'}")
+                if not ok:
+                    failures.append(f"version {version} {form}: loaded {got}, expected {j}")
+                # Put the block back (the daemon quarantined it; a plain directory did not).
+                if os.path.exists(path):
+                    os.unlink(path)
+                saver = c if version == 2 else host
+                saver.save(hashes[j:j + 1], saved[j:j + 1], parent=hashes[j - 1])
+            out = torch.zeros_like(src)
+            if c.load(hashes, out) != n or not torch.equal(out, src):
+                failures.append(f"version {version}: a sound load after the repairs failed")
+    return failures
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("mount", nargs="?", help="a kvfs mount (default: mount one over --dir)")
@@ -170,12 +287,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", action="store_true",
                     help="leave the files in the page cache (measures the path, not the disk)")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--emulate", action="store_true",
+                    help="no GPU: run the verdicts alone on the CPU through an emulated "
+                         "device transport")
     args = ap.parse_args(argv)
     try:
         import torch
     except ImportError:
         say("torch is not installed: no GPU here to check")
         return 0
+    if args.emulate:
+        return emulate(args)
     if not torch.cuda.is_available():
         say("no CUDA GPU here (torch.cuda.is_available() is False): nothing to check")
         return 0
@@ -212,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     with place(args.mount, args.tenant, args.dir) as where:
         say(f"store: {where.note}")
 
-        def open_cache(**kw: Any) -> KVCache:
+        def open_cache(spec: ModelSpec = spec, **kw: Any) -> KVCache:
             if where.mount:
                 return KVCache.open(where.mount, tenant=args.tenant, spec=spec, **kw)
             return NoDaemon(where.data, where.data, spec, direct=True, **kw)
@@ -315,6 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         figures["baseline"] = {"preadv_gbps": total / t_read / 1e9,
                                "h2d_gbps": total / t_copy / 1e9, "preadv_then_h2d_gbps": base,
                                "threads": threads}
+        # The device's own verification: payload sums over every block, on the GPU.
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        from kvfs import devsum
+
+        devsum.as_tuples(devsum.block_sums(kv_bytes.view(n, payload)))
+        dt = time.perf_counter() - t0
+        figures["payload_sums_gbps"] = total / dt / 1e9
+        say(f"payload sums of all {n} blocks on the GPU: {total / dt / 1e9:.1f} GB/s")
+        io = "kvikio" if kvikio is not None else "posix"
+        bad = verdicts(open_cache, dev, io)
+        figures["verdicts"] = {"transport": io, "failures": bad}
+        failures += bad
         say(f"page cache before each load: {figures['page_cache']}")
         say(f"baseline: threaded preadv ({threads} threads) {total / t_read / 1e9:.2f} GB/s, "
             f"H2D copy {total / t_copy / 1e9:.2f} GB/s, both in turn {base:.2f} GB/s")
@@ -329,6 +464,48 @@ def main(argv: list[str] | None = None) -> int:
         say(f"FAILED: {', '.join(failures)}")
         return 1
     say("OK: every byte loaded into GPU memory is identical to what was saved")
+    return 0
+
+
+def emulate(args: argparse.Namespace) -> int:
+    """The verdicts on the CPU: the client's device path, fed by a transport that acts for
+    CPU tensors as kvikio does for CUDA ones (reads through the transport, never hashes on
+    the host, verifies by payload sums). For a machine with no GPU; not a GPU check."""
+    import torch
+
+    from kvfs import transport
+    from kvfs.client import KVCache
+
+    class EmulatedDevice(transport.PosixTransport):
+        name = "emulated-device"
+
+        def reads_to_host(self, t: Any) -> bool:
+            return False
+
+        def device_verifies(self, t: Any) -> bool:
+            return True
+
+    class NoDaemon(KVCache):
+        def _control(self, name: bytes, value: bytes) -> None:
+            self._count(control_calls=1)
+
+    with place(args.mount, args.tenant, args.dir) as where:
+        say(f"store: {where.note}; EMULATED device (CPU tensors): no GPU is checked")
+
+        def open_cache(spec: Any, **kw: Any) -> KVCache:
+            if where.mount:
+                return KVCache.open(where.mount, tenant=args.tenant, spec=spec, **kw)
+            return NoDaemon(where.data, where.data, spec, direct=True, **kw)
+
+        failures = verdicts(open_cache, torch.device("cpu"), "posix",
+                            lambda spec: EmulatedDevice(spec.block_payload_bytes, 4))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"emulated": True, "failures": failures},
+                                              indent=2) + "\n")
+    if failures:
+        say(f"FAILED: {', '.join(failures)}")
+        return 1
+    say("OK (emulated): every verdict as the host's")
     return 0
 
 
