@@ -22,6 +22,7 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 
 #: openat2 resolve flags (linux/openat2.h).
 RESOLVE_NO_XDEV = 0x01
@@ -100,7 +101,12 @@ def _walk_one(dirfd: int, path: bytes, flags: int, mode: int, root_dev: int) -> 
     cur = dirfd
     try:
         for name in parts[:-1]:
-            nxt = os.open(name, DIR_FLAGS, dir_fd=cur)
+            try:
+                nxt = os.open(name, DIR_FLAGS, dir_fd=cur)
+            except NotADirectoryError:
+                if stat.S_ISLNK(os.stat(name, dir_fd=cur, follow_symlinks=False).st_mode):
+                    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), path) from None
+                raise
             if cur != dirfd:
                 os.close(cur)
             cur = nxt

@@ -124,7 +124,12 @@ class BackingStore:
 
     @staticmethod
     def _check(fd: int, kind: int, what: bytes) -> os.stat_result:
-        st = os.fstat(fd)
+        """fstat an fd just opened, and close it (then raise Refused) unless it is of `kind`."""
+        try:
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
         if stat.S_IFMT(st.st_mode) != kind:
             os.close(fd)
             log.warning("refused %s: it is not %s (mode %o)", what.decode(errors="replace"),
@@ -142,8 +147,16 @@ class BackingStore:
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
                      dir_fd=dirfd)
         st = self._check(fd, kind, name)
-        self._blocking(fd, flags)
+        self._blocking_or_close(fd, flags)
         return fd, st
+
+    @classmethod
+    def _blocking_or_close(cls, fd: int, flags: int) -> None:
+        try:
+            cls._blocking(fd, flags)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @staticmethod
     def _blocking(fd: int, flags: int) -> None:
@@ -158,7 +171,7 @@ class BackingStore:
             return fd, self._check(fd, kind, rel)
         fd = self._open(rel, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
         st = self._check(fd, kind, rel)
-        self._blocking(fd, flags)
+        self._blocking_or_close(fd, flags)
         return fd, st
 
     @contextlib.contextmanager
@@ -181,10 +194,10 @@ class BackingStore:
                 raise
             yield None
             return
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
+            self._check(fd, stat.S_IFREG, rel)  # closes it and raises
         try:
-            st = os.fstat(fd)
-            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
-                self._check(os.dup(fd), stat.S_IFREG, rel)
             yield fd
         finally:
             os.close(fd)
@@ -215,8 +228,7 @@ class BackingStore:
                     except IsADirectoryError:
                         raise FileExistsError(errno.EEXIST, "a directory is there", rel) from None
             try:
-                self._check(os.dup(fd), stat.S_IFREG, rel)  # (O_EXCL made it: always one)
-                self._blocking(fd, flags)
+                self._blocking(fd, flags)  # (O_EXCL made it: a regular file of ours)
                 os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)
             except BaseException:
