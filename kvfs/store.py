@@ -83,6 +83,10 @@ class BackingStore:
         self.state_dir = os.path.join(self.root, STATE_DIR)
         self._root_fd = -1
         self._root_dev = 0
+        try:
+            self.root_fd  # noqa: B018 - opened once, before threads share it
+        except OSError:
+            pass  # not there yet: opened at first use
 
     @property
     def root_fd(self) -> int:

@@ -604,3 +604,43 @@ def test_random_swaps_change_nothing_outside_and_stall_nobody(mount_factory, s3)
             body = client.get_object(Bucket=s3.bucket, Key=k)["Body"].read()
             hdr, _ = blockfile.decode(body)
             assert hdr.block_hash in hashes
+
+
+def test_one_tenant_cannot_take_every_io_thread(tmp_path):
+    """In-process: a tenant whose backing calls never return holds at most its own share of
+    the daemon's I/O threads; another tenant's call still runs."""
+    import threading
+
+    import trio
+
+    from kvfs import fsck
+    from kvfs.fs import MountInfo, Operations
+    from kvfs.index import Index
+    from kvfs.store import BackingStore
+
+    backing_dir = tmp_path / "backing"
+    (backing_dir / ".kvfs").mkdir(parents=True)
+    index = Index(str(backing_dir / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing_dir))
+    fsck.reconcile(index, store)
+    ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing_dir), None),
+                     io_threads=8)
+    release = threading.Event()
+
+    async def main() -> bool:
+        async with trio.open_nursery() as nursery:
+            for _ in range(20):  # far more stuck calls than threads
+                nursery.start_soon(lambda: ops._io(release.wait, tenant=1001))
+            await trio.sleep(0.5)
+            with trio.move_on_after(DEADLINE):
+                await ops._io(lambda: None, tenant=1002)
+                release.set()
+                return True
+            release.set()
+            return False
+
+    try:
+        assert trio.run(main), "tenant 1001's stuck calls held every thread"
+    finally:
+        release.set()
+        index.close()
