@@ -1844,7 +1844,9 @@ class Operations(pyfuse3.Operations):
                 fan = h[:1].hex().encode()
                 fnode = self.index.lookup(dnode.inode, fan)
                 if fnode is None:
-                    fst = fan_stats[fan]
+                    fst = fan_stats.get(fan)
+                    if fst is None:
+                        continue  # no directory when listed (a link then): not indexed
                     fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
                                               uid=fst.st_uid, gid=fst.st_gid,
                                               tenant=dnode.tenant, ns=dnode.ns)
