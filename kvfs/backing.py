@@ -41,13 +41,18 @@ CHUNK = 3072
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NOCTTY
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+_syscall.argtypes = [ctypes.c_long, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p,
+                     ctypes.c_size_t]
 
 
 class _OpenHow(ctypes.Structure):
     _fields_ = [("flags", ctypes.c_uint64), ("mode", ctypes.c_uint64),
                 ("resolve", ctypes.c_uint64)]
 
+
+_HOW_SIZE = ctypes.sizeof(_OpenHow)
 
 #: Whether openat2 is used; False after the kernel said ENOSYS once (tests set it to check
 #: the fallback walk).
@@ -59,8 +64,7 @@ def openat2(dirfd: int, path: bytes, flags: int, mode: int = 0, resolve: int = S
     how = _OpenHow(flags | os.O_CLOEXEC, mode if flags & (os.O_CREAT | os.O_TMPFILE) else 0,
                    resolve)
     for _ in range(8):
-        fd = _libc.syscall(_SYS_OPENAT2, ctypes.c_int(dirfd), ctypes.c_char_p(path),
-                           ctypes.byref(how), ctypes.c_size_t(ctypes.sizeof(how)))
+        fd = _syscall(_SYS_OPENAT2, dirfd, path, ctypes.addressof(how), _HOW_SIZE)
         if fd >= 0:
             return int(fd)
         err = ctypes.get_errno()
@@ -72,8 +76,10 @@ def openat2(dirfd: int, path: bytes, flags: int, mode: int = 0, resolve: int = S
 def components(rel: bytes) -> list[bytes]:
     """The names of a relative path; '', '.', '..' and absolute paths are refused (EINVAL):
     the daemon's own paths never have them, so one that does is an attack or a bug."""
-    parts = rel.split(b"/") if rel else []
-    if rel.startswith(b"/") or any(p in (b"", b".", b"..") for p in parts) or b"\0" in rel:
+    if not rel:
+        return []
+    parts = rel.split(b"/")
+    if b"" in parts or b"." in parts or b".." in parts or b"\0" in rel:  # ('' covers '/a')
         raise OSError(errno.EINVAL, "not a plain relative path", rel)
     return parts
 
@@ -143,10 +149,16 @@ def open_beneath(dirfd: int, rel: bytes, flags: int, mode: int = 0,
     included) and without leaving `dirfd`'s mount; '' opens `dirfd` itself again. Long
     paths are resolved a chunk at a time."""
     parts = components(rel)
-    if root_dev is None:
-        root_dev = os.fstat(dirfd).st_dev
     if not parts:
         return os.open(".", flags | os.O_CLOEXEC, dir_fd=dirfd)
+    if use_openat2 and len(rel) <= CHUNK:  # the common case: one system call
+        try:
+            return openat2(dirfd, rel, flags | os.O_NOFOLLOW, mode)
+        except OSError as exc:
+            if exc.errno != errno.ENOSYS:
+                raise
+    if root_dev is None:
+        root_dev = os.fstat(dirfd).st_dev
     chunks = _chunks(parts)
     cur = dirfd
     try:

@@ -705,8 +705,14 @@ class Operations(pyfuse3.Operations):
         limiter = self._tenant_limiters.get(tenant)
         if limiter is None:
             limiter = self._tenant_limiters[tenant] = trio.CapacityLimiter(self._tenant_threads)
-        async with limiter:
+        try:
+            limiter.acquire_nowait()  # the common case: no extra trip through the scheduler
+        except trio.WouldBlock:
+            await limiter.acquire()
+        try:
             return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        finally:
+            limiter.release()
 
     def _dir_path(self, inode: int) -> bytes:
         path = self._dir_paths.get(inode)

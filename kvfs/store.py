@@ -145,14 +145,13 @@ class BackingStore:
     def open_at(self, dirfd: int, name: bytes, flags: int, kind: int = stat.S_IFREG
                 ) -> tuple[int, os.stat_result]:
         """Open one entry of a verified directory: O_NOFOLLOW (a symlink is ELOOP), O_NONBLOCK
-        (a FIFO never blocks the open), refused unless it is of `kind`; O_NONBLOCK is cleared
-        again for regular files. (fd, its fstat)."""
+        (a FIFO never blocks the open), refused unless it is of `kind`. (fd, its fstat.)
+        O_NONBLOCK stays on: it changes nothing for a regular file of a local file system;
+        `open` clears it on the handles the daemon serves reads and writes from."""
         backing.components(name)
         fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY,
                      dir_fd=dirfd)
-        st = self._check(fd, kind, name)
-        self._blocking_or_close(fd, flags)
-        return fd, st
+        return fd, self._check(fd, kind, name)
 
     @classmethod
     def _blocking_or_close(cls, fd: int, flags: int) -> None:
@@ -174,9 +173,7 @@ class BackingStore:
             fd = self._open(rel, backing.DIR_FLAGS)
             return fd, self._check(fd, kind, rel)
         fd = self._open(rel, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
-        st = self._check(fd, kind, rel)
-        self._blocking_or_close(fd, flags)
-        return fd, st
+        return fd, self._check(fd, kind, rel)
 
     @contextlib.contextmanager
     def _fd(self, rel: bytes, flags: int = os.O_RDONLY, kind: int = stat.S_IFREG
@@ -209,8 +206,10 @@ class BackingStore:
     # -- files and directories ------------------------------------------------------------
 
     def open(self, rel: bytes, flags: int) -> int:
-        """Open an indexed regular file; anything else is refused."""
-        return self.open_node(rel, flags)[0]
+        """Open an indexed regular file for a handle; anything else is refused."""
+        fd = self.open_node(rel, flags)[0]
+        self._blocking_or_close(fd, flags)
+        return fd
 
     def create(self, rel: bytes, flags: int, mode: int, uid: int, gid: int) -> int:
         """Create a regular file owned by uid:gid; returns an fd. A stray entry of that name
