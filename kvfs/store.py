@@ -134,6 +134,14 @@ class BackingStore:
         except BaseException:
             os.close(fd)
             raise
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1 and kind == stat.S_IFREG:
+            # kvfs never makes hard links (EPERM through the mount): a second name was made
+            # in the backing tree, perhaps to a file of someone else that the kernel let the
+            # tenant link (writable by it). Never chmod, chown, read or serve it.
+            os.close(fd)
+            log.warning("refused %s: a regular file with %d links", what.decode(
+                errors="replace"), st.st_nlink)
+            raise Refused(errno.EMLINK, "a hard-linked file", what)
         if stat.S_IFMT(st.st_mode) != kind:
             os.close(fd)
             log.warning("refused %s: it is not %s (mode %o)", what.decode(errors="replace"),

@@ -200,6 +200,23 @@ def test_2_a_swapped_file_is_never_written_chmodded_or_created(mount_factory):
         assert (now.st_mode, now.st_uid, now.st_gid) == (st.st_mode, st.st_uid, st.st_gid), p
 
 
+def test_2_a_hard_link_to_a_file_the_tenant_may_write_is_refused(mount_factory):
+    """protected_hardlinks lets a user link a file it may read and write: such a link, put
+    where the index has a file of the tenant, must not let root chown or chmod the original."""
+    m = setup(mount_factory)
+    shared = m.backing.parent / "world-writable"
+    shared.write_text("root's\n")
+    os.chmod(shared, 0o666)
+    res = sh_a(f"echo x > {m.mnt}/a/h && rm {m.backing}/a/h && ln {shared} {m.backing}/a/h && "
+               f"chmod 600 {m.mnt}/a/h; chown {UID_A} {m.mnt}/a/h; echo mine > {m.mnt}/a/h; "
+               f"cat {m.mnt}/a/h; true")
+    assert os.stat(m.backing / "a" / "h").st_ino == os.stat(shared).st_ino, res.stderr
+    st = os.stat(shared)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o666, 0)
+    assert shared.read_text() == "root's\n"
+    assert "root's" not in res.stdout
+
+
 def test_3_a_swapped_directory_deletes_and_moves_nothing_else(mount_factory):
     m = setup(mount_factory)
     sh_b(f"mkdir {m.mnt}/b/ns && echo vx > {m.mnt}/b/ns/x && echo vy > {m.mnt}/b/ns/y")
