@@ -167,6 +167,10 @@ class Operations(pyfuse3.Operations):
         self.info = info
         self.owner_uid = owner_uid
         self.limiter = trio.CapacityLimiter(io_threads)
+        # One tenant's backing I/O may take at most this many of the threads: a tenant whose
+        # tree makes calls slow slows itself, never the others (see _io).
+        self._tenant_threads = max(1, io_threads - max(1, io_threads // 4))
+        self._tenant_limiters: dict[int, trio.CapacityLimiter] = {}
         self.stats = Stats()
         self.stats.reset_usage(index.usage_by_namespace())
         self.lookups: dict[int, int] = {}
@@ -357,7 +361,8 @@ class Operations(pyfuse3.Operations):
             return
         drel = self._path(node)
         try:
-            listing = await self._io(self.reconciler.prepare, drel, None, self._started_ns)
+            listing = await self._io(self.reconciler.prepare, drel, None, self._started_ns,
+                                     tenant=node.tenant)
         except FileNotFoundError:
             listing = fsck.Listing([], False, {})  # gone behind our back: nothing to index
         except OSError as exc:
@@ -432,7 +437,8 @@ class Operations(pyfuse3.Operations):
             if node is None or node.parent == ORPHAN_PARENT or not node.is_dir:
                 return
             drel = self._path(node)
-            listing = await self._io(self.reconciler.prepare, drel, [name], self._started_ns)
+            listing = await self._io(self.reconciler.prepare, drel, [name], self._started_ns,
+                                     tenant=node.tenant)
             writing = parent_inode in self._inserting
             if (not writing and parent_inode in self.unlisted
                     and self.index.lookup(parent_inode, name) is None):
@@ -590,7 +596,7 @@ class Operations(pyfuse3.Operations):
                 # Eviction demotes blocks to the next tier down instead of deleting them.
                 async def demote(node: Node, rel: bytes) -> None:
                     if await tiering.demote(self._tier_key(rel),
-                                            os.fsdecode(self.store.path(rel)), node.size):
+                                            self._block_source(rel), node.size):
                         demoted.add(node.inode)
 
                 async with trio.open_nursery() as nursery:
@@ -690,8 +696,23 @@ class Operations(pyfuse3.Operations):
 
     # -- helpers --------------------------------------------------------------------------
 
-    async def _io(self, fn: Callable[..., T], *args: Any) -> T:
-        return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+    async def _io(self, fn: Callable[..., T], *args: Any, tenant: int = 0) -> T:
+        """Run blocking backing I/O in a worker thread. Work on a tenant's tree (`tenant`)
+        first takes a place in that tenant's own limiter, so that it can never hold every
+        thread of the global one."""
+        if not tenant:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        limiter = self._tenant_limiters.get(tenant)
+        if limiter is None:
+            limiter = self._tenant_limiters[tenant] = trio.CapacityLimiter(self._tenant_threads)
+        try:
+            limiter.acquire_nowait()  # the common case: no extra trip through the scheduler
+        except trio.WouldBlock:
+            await limiter.acquire()
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        finally:
+            limiter.release()
 
     def _dir_path(self, inode: int) -> bytes:
         path = self._dir_paths.get(inode)
@@ -939,7 +960,14 @@ class Operations(pyfuse3.Operations):
                                  ns=ns_node.ns)
 
     def _tier_key(self, rel: bytes) -> str:
+        """A block's key in the lower tiers: its path in the index (the tenant's name, the
+        namespace's, the block's), never anything read from the backing tree."""
         return rel.decode(errors="surrogateescape")
+
+    def _block_source(self, rel: bytes) -> Callable[[], bytes]:
+        """What an upload or demotion reads: the block's bytes from a verified fd of the
+        hot copy, bounded by its header (never another file through a tenant's link)."""
+        return functools.partial(self.store.read_block, rel)
 
     async def _fetch_block(self, dnode: Node, name: bytes, node: Node | None) -> Node | None:
         """Fetch block `name` below `dnode` from the lower tiers and place it hot. `node` is
@@ -947,7 +975,7 @@ class Operations(pyfuse3.Operations):
         assert self.tiering is not None
         rel = self._join(self._path(dnode), name)
         owner = (dnode.uid, dnode.gid, 0o644)
-        got = await self.tiering.fetch(self._tier_key(rel), os.fsdecode(self.store.path(rel)),
+        got = await self.tiering.fetch(self._tier_key(rel), self.store.placement(rel),
                                        owner, node.size if node is not None else None)
         if got is None:
             return None
@@ -1024,7 +1052,8 @@ class Operations(pyfuse3.Operations):
             changes["atime_ns"], changes["mtime_ns"] = atime, mtime
             kwargs["times_ns"] = (atime, mtime)
         await self._io(functools.partial(
-            self.store.setattr, path, is_link=stat.S_ISLNK(node.mode), **kwargs))
+            self.store.setattr, path, is_link=stat.S_ISLNK(node.mode), is_dir=node.is_dir,
+            **kwargs), tenant=node.tenant)
         if "size" in kwargs:
             new_size = kwargs["size"]
             node = self.index.get(inode)  # re-read: the world may have moved during the await
@@ -1169,7 +1198,8 @@ class Operations(pyfuse3.Operations):
         # fill pages.
         if accmode != os.O_RDONLY:
             bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
-        fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid)
+        fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid,
+                            tenant=parent.tenant)
         tenant, ns = self._child_place(parent, stat.S_IFREG)
         writable = accmode != os.O_RDONLY
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
@@ -1219,7 +1249,7 @@ class Operations(pyfuse3.Operations):
         if writable:
             bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
         truncate = writable and bool(flags & os.O_TRUNC)
-        fd = await self._io(self.store.open, self._path(node), bflags)
+        fd = await self._io(self.store.open, self._path(node), bflags, tenant=node.tenant)
         node = self.index.get(inode)
         if truncate:
             try:
@@ -1378,7 +1408,13 @@ class Operations(pyfuse3.Operations):
                 self._unblock(node)
                 self.index.update(inode, block_hash=None, parent_hash=None)
             return
-        head, size = await self._io(self.store.read_head, self._path(node), blockfile.HEADER_SIZE)
+        try:
+            head, size = await self._io(self.store.read_head, self._path(node),
+                                        blockfile.HEADER_SIZE, tenant=node.tenant)
+        except OSError as exc:
+            log.warning("%s is named as a block but cannot be read as one (%s)",
+                        self._path(node).decode(errors="replace"), exc)
+            return
         try:
             hdr = blockfile.decode_header(head)
             blockfile.verify_file_size(hdr, size)
@@ -1399,7 +1435,7 @@ class Operations(pyfuse3.Operations):
         """Write-through: queue a complete block for the shared tiers (never waits)."""
         if self.tiering is not None:
             rel = self._path(node)
-            self.tiering.enqueue_upload(self._tier_key(rel), os.fsdecode(self.store.path(rel)))
+            self.tiering.enqueue_upload(self._tier_key(rel), self._block_source(rel))
 
     def _used(self, node: Node, now: float) -> None:
         """A hot file was used: tell its policy, entering it first if it was cold."""
@@ -1447,7 +1483,7 @@ class Operations(pyfuse3.Operations):
         rel = self._path(node)
         if not node.tier:
             try:
-                await self._io(self.store.unlink, rel)
+                await self._io(self.store.unlink, rel, tenant=node.tenant)
             except FileNotFoundError:
                 log.warning("%s was already gone from the backing directory", rel)
         self._audit(ctx.uid, ctx.pid, node, "unlink", nbytes=node.size, path=rel)
@@ -1605,7 +1641,7 @@ class Operations(pyfuse3.Operations):
             if value is None:
                 raise FUSEError(pyfuse3.ENOATTR)
             return value
-        return await self._io(self.store.getxattr, self._path(node), name)
+        return await self._io(self.store.getxattr, self._path(node), name, tenant=node.tenant)
 
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
@@ -1614,7 +1650,7 @@ class Operations(pyfuse3.Operations):
         node = self.index.get(inode)
         names = list(self._kvfs_xattrs(node))
         if node.inode != ROOT_INODE:
-            names += await self._io(self.store.listxattr, self._path(node))
+            names += await self._io(self.store.listxattr, self._path(node), tenant=node.tenant)
         return names
 
     @handler
@@ -1635,7 +1671,7 @@ class Operations(pyfuse3.Operations):
         elif name.startswith(XATTR_PREFIX):
             raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
         else:
-            await self._io(self.store.setxattr, self._path(node), name, value)
+            await self._io(self.store.setxattr, self._path(node), name, value, tenant=node.tenant)
 
     @handler
     async def removexattr(self, inode: int, name: bytes, ctx: Any) -> None:
@@ -1649,14 +1685,14 @@ class Operations(pyfuse3.Operations):
         elif name.startswith(XATTR_PREFIX):
             raise FUSEError(errno.EPERM)
         else:
-            await self._io(self.store.removexattr, self._path(node), name)
+            await self._io(self.store.removexattr, self._path(node), name, tenant=node.tenant)
 
     async def _pin(self, node: Node, pinned: bool) -> None:
         """Pin (never evict nor expire) or unpin a file. The kernel has checked that the
         caller may write the file."""
         if not node.is_reg or node.tenant == 0:
             raise FUSEError(errno.EINVAL)
-        await self._io(self.store.set_pin, self._path(node), pinned)
+        await self._io(self.store.set_pin, self._path(node), pinned, tenant=node.tenant)
         node = self.index.get(node.inode)
         self.index.update(node.inode, pinned=int(pinned))
         self._policy(node.tenant).pin(self._pkey(node), pinned)
@@ -1729,15 +1765,35 @@ class Operations(pyfuse3.Operations):
         out: list[tuple[Any, os.stat_result | None, bool]] = []
         for rel in rels:
             try:
-                head, size = self.store.read_head(rel, blockfile.HEADER_SIZE)
+                # One verified fd: the header and the stat are of the same regular file.
+                head, st = self.store.head(rel, blockfile.HEADER_SIZE)
                 hdr = blockfile.decode_header(head)
-                blockfile.verify_file_size(hdr, size)
+                blockfile.verify_file_size(hdr, st.st_size)
                 p = hdr.parent_hash
-                parent = p == hashing.ROOT_PARENT or os.path.exists(self.store.path(
-                    self._join(dpath, hashing.block_relpath(p).encode())))
-                out.append((hdr, self.store.lstat(rel), parent))
+                parent = p == hashing.ROOT_PARENT or self._is_file(
+                    self._join(dpath, hashing.block_relpath(p).encode()))
+                out.append((hdr, st, parent))
             except (OSError, blockfile.BlockFormatError) as exc:
                 out.append((exc, None, False))
+        return out
+
+    def _is_file(self, rel: bytes) -> bool:
+        """Thread: whether `rel` is a regular file (reached through no symlink)."""
+        try:
+            return stat.S_ISREG(self.store.lstat(rel).st_mode)
+        except OSError:
+            return False
+
+    def _fan_stats(self, dpath: bytes, fans: list[bytes]) -> dict[bytes, os.stat_result]:
+        """Thread: the stat of each fan-out directory that is one (not a link to one)."""
+        out = {}
+        for f in fans:
+            try:
+                st = self.store.lstat(self._join(dpath, f))
+            except OSError:
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                out[f] = st
         return out
 
     async def _publish(self, dnode: Node, hashes: list[bytes], ctx: Any) -> None:
@@ -1746,10 +1802,8 @@ class Operations(pyfuse3.Operations):
         dpath = self._path(dnode)
         rels = [self._join(dpath, hashing.block_relpath(h).encode()) for h in hashes]
         fans = sorted({h[:1].hex().encode() for h in hashes})
-        fan_stats = await self._io(
-            lambda: {f: self.store.lstat(self._join(dpath, f)) for f in fans
-                     if os.path.isdir(self.store.path(self._join(dpath, f)))})
-        inspected = await self._io(self._inspect_blocks, dpath, rels)
+        fan_stats = await self._io(self._fan_stats, dpath, fans, tenant=dnode.tenant)
+        inspected = await self._io(self._inspect_blocks, dpath, rels, tenant=dnode.tenant)
         fresh, dropped = [], []
         policy, now = self._policy(dnode.tenant), time.time()
         placed: set[bytes] = set()
@@ -1796,7 +1850,9 @@ class Operations(pyfuse3.Operations):
                 fan = h[:1].hex().encode()
                 fnode = self.index.lookup(dnode.inode, fan)
                 if fnode is None:
-                    fst = fan_stats[fan]
+                    fst = fan_stats.get(fan)
+                    if fst is None:
+                        continue  # no directory when listed (a link then): not indexed
                     fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
                                               uid=fst.st_uid, gid=fst.st_gid,
                                               tenant=dnode.tenant, ns=dnode.ns)
@@ -1838,7 +1894,11 @@ class Operations(pyfuse3.Operations):
             return
 
         async def one(h: bytes) -> None:
-            fan = await self._fan_dir(self.index.get(dnode.inode), h[:1].hex().encode())
+            try:
+                fan = await self._fan_dir(self.index.get(dnode.inode), h[:1].hex().encode())
+            except OSError as exc:  # the tenant's tree is not as indexed: a miss
+                log.warning("not fetching %s: %s", h.hex(), exc)
+                return
             name = hashing.block_filename(h).encode()
             node = self.index.lookup(fan.inode, name)
             if node is None or node.tier:
@@ -1879,10 +1939,10 @@ class Operations(pyfuse3.Operations):
                 self._bound()
 
     def _verify_block(self, rel: bytes) -> str | None:
-        """Thread: None if the block file is sound, else what is wrong with it."""
+        """Thread: None if the block file is sound, else what is wrong with it (read on a
+        verified fd of a regular file, bounded by its header)."""
         try:
-            with open(self.store.path(rel), "rb") as f:
-                blockfile.decode(f.read())
+            blockfile.decode(self.store.read_block(rel))
         except blockfile.BlockFormatError as exc:
             return str(exc)
         return None
@@ -1895,10 +1955,14 @@ class Operations(pyfuse3.Operations):
             if node is None:
                 continue
             rel = self._path(node)
-            problem = await self._io(self._verify_block, rel)
+            try:
+                problem = await self._io(self._verify_block, rel, tenant=dnode.tenant)
+            except OSError as exc:
+                log.warning("not checking %s: %s", rel.decode(errors="replace"), exc)
+                continue
             if problem is None:
                 continue  # the client's read was bad, not the file
-            await self._io(self.store.quarantine, rel)
+            await self._io(self.store.quarantine, rel, tenant=dnode.tenant)
             node = self.index.find(node.inode)
             if node is not None and node.parent != ORPHAN_PARENT:
                 self._drop(node)

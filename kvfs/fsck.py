@@ -19,6 +19,7 @@ background (`Reconciler.prepare` off the event loop, `walk_entries` on it). It:
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import stat
@@ -127,10 +128,13 @@ class Reconciler:
         log.warning("quarantined %s: %s", self._show(rel), reason)
         self.report.quarantined.add(self._show(rel))
 
-    def check_block(self, rel: bytes, name: bytes, *, quarantine: bool = True
-                    ) -> tuple[bytes, bytes] | None | bool | str:
+    def check_block(self, rel: bytes, name: bytes, *, quarantine: bool = True,
+                    dirfd: int | None = None) -> tuple[bytes, bytes] | None | bool | str:
         """(hash, parent) for a good kvfs-native block; None for a file that is not named as
-        one; for a bad block False (quarantined) or, without `quarantine`, what is wrong."""
+        one; for a bad block False (quarantined) or, without `quarantine`, what is wrong. The
+        file is read on a verified fd (relative to `dirfd`, the directory's, when given),
+        bounded by its header; one that is no longer a regular file (swapped for a link, a
+        FIFO) raises FileNotFoundError: gone from what this walk may index."""
         if not name.endswith(b".kv"):
             return None  # cheap first: most names of a big foreign tree are not blocks
         block_hash = hashing.parse_block_filename(name.decode(errors="replace"))
@@ -138,16 +142,23 @@ class Reconciler:
             return None
         try:
             if self.verify:
-                with open(self.store.path(rel), "rb") as f:
-                    data = f.read()
+                data = (self.store.read_block_at(dirfd, name) if dirfd is not None
+                        else self.store.read_block(rel))
                 hdr, _ = blockfile.decode(data)
                 self.report.blocks_verified += 1
             else:
-                head, size = self.store.read_head(rel, blockfile.HEADER_SIZE)
+                head, st = (self.store.head_at(dirfd, name, blockfile.HEADER_SIZE)
+                            if dirfd is not None else
+                            self.store.head(rel, blockfile.HEADER_SIZE))
                 hdr = blockfile.decode_header(head)
-                blockfile.verify_file_size(hdr, size)
+                blockfile.verify_file_size(hdr, st.st_size)
             if hdr.block_hash != block_hash:
                 raise ValueError(f"header names block {hdr.block_hash.hex()}")
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            log.warning("not indexing %s: %s", self._show(rel), exc)
+            raise FileNotFoundError(errno.ENOENT, "not a regular file any more", rel) from exc
         except (blockfile.BlockFormatError, ValueError) as exc:
             if not quarantine:
                 return str(exc)
@@ -173,7 +184,7 @@ class Reconciler:
         target = None
         if stat.S_ISLNK(st.st_mode):
             target = (pre.targets[name] if pre is not None
-                      else os.readlink(self.store.path(rel)))
+                      else self.store.readlink(rel))
         elif not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)):
             log.warning("ignoring %s: not a file, directory or symlink", self._show(rel))
             return None
@@ -214,14 +225,10 @@ class Reconciler:
     def scan(self, drel: bytes) -> Listing:
         """Thread: a directory's entries with their lstat, and whether it holds pins. An
         entry that vanishes meanwhile is left out (the next fsck sees the tree as it is)."""
-        out = []
-        with os.scandir(self.store.path(drel)) as it:  # bytes path: bytes names
-            for entry in it:
-                try:
-                    out.append((entry.name, entry.stat(follow_symlinks=False)))
-                except FileNotFoundError:
-                    continue
-        return Listing(out, self.store.has_pins(drel))  # no pins: no file is asked for one
+        # Read on an fd of the directory, reached from the root through no symlink: a
+        # directory swapped for a link since its parent was listed is ELOOP, not followed.
+        out, pins = self.store.listdir(drel)
+        return Listing(out, pins)  # no pins: no file is asked for one
 
     def prepare(self, drel: bytes, names: list[bytes] | None = None,
                 temp_before_ns: int | None = None) -> Listing:
@@ -230,14 +237,29 @@ class Reconciler:
         index. Bad blocks are only noted (`quarantine_bad` moves them). Temporaries are never
         indexed; they are removed if older than `temp_before_ns` (left by a daemon or client
         before this mount; a newer one is a write under way) or, without it, all."""
+        # Everything below is read relative to one fd of the directory, reached from the
+        # root through no symlink, and every entry is opened O_NOFOLLOW relative to it.
+        try:
+            dfd = self.store.opendir(drel)
+        except (NotADirectoryError, OSError) as exc:
+            if names is not None and exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                return Listing([], False, {})  # swapped for a link: nothing of it is indexed
+            raise
+        try:
+            return self._prepare(dfd, drel, names, temp_before_ns)
+        finally:
+            os.close(dfd)
+
+    def _prepare(self, dfd: int, drel: bytes, names: list[bytes] | None,
+                 temp_before_ns: int | None) -> Listing:
         if names is None:
-            listing = self.scan(drel)
+            listing = Listing(self.store.listdir_fd(dfd), self.store.marked(dfd))
         else:
-            listing = Listing([], self.store.has_pins(drel))
+            listing = Listing([], self.store.marked(dfd))
             for name in names:
                 try:
                     listing.entries.append(
-                        (name, self.store.lstat(drel + b"/" + name if drel else name)))
+                        (name, os.stat(name, dir_fd=dfd, follow_symlinks=False)))
                 except (FileNotFoundError, NotADirectoryError):
                     continue
         listing.blocks = {}
@@ -249,21 +271,21 @@ class Reconciler:
             try:
                 if name.startswith(TEMP_PREFIX):
                     if temp_before_ns is None or st.st_mtime_ns < temp_before_ns:
-                        os.unlink(self.store.path(rel))
+                        os.unlink(name, dir_fd=dfd)
                         self.report.removed_temp.add(self._show(rel))
                     continue
                 if stat.S_ISREG(st.st_mode):
-                    block = self.check_block(rel, name, quarantine=False)
+                    block = self.check_block(rel, name, quarantine=False, dirfd=dfd)
                     if isinstance(block, str):
                         listing.bad[name] = block
                         block = False
                     listing.blocks[name] = block
-                    if listing.pins and self.store.is_pinned(rel):
+                    if listing.pins and self.store.is_pinned_at(dfd, name):
                         listing.pinned.add(name)
                 elif stat.S_ISLNK(st.st_mode):
-                    listing.targets[name] = os.readlink(self.store.path(rel))
-            except FileNotFoundError:
-                continue  # gone meanwhile
+                    listing.targets[name] = os.readlink(name, dir_fd=dfd)
+            except (FileNotFoundError, IsADirectoryError):
+                continue  # gone meanwhile (or swapped for something else)
             kept.append((name, st))
         listing.entries = kept
         return listing
@@ -290,7 +312,14 @@ class Reconciler:
                 for _, ahead in stack[-SCAN_AHEAD:]:
                     if ahead not in scans:
                         scans[ahead] = pool.submit(self.scan, ahead)
-                self.walk_dir(dnode, drel, pending.result(), stack)
+                try:
+                    listing = pending.result()
+                except OSError as exc:
+                    # Swapped for a link (ELOOP) or a file since its parent was listed: not
+                    # followed; its index entries stay until a walk finds it again.
+                    log.warning("not listing %s: %s", self._show(drel), exc)
+                    continue
+                self.walk_dir(dnode, drel, listing, stack)
                 if dnode.inode in self.unlisted:
                     self.index.mark_listed(dnode.inode)
 
@@ -326,9 +355,11 @@ class Reconciler:
                 self.progress(self.report.entries)
             if name.startswith(TEMP_PREFIX):
                 try:
-                    os.unlink(self.store.path(rel))
+                    self.store.unlink(rel)
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    log.warning("not removing %s: %s", self._show(rel), exc)
                 self.report.removed_temp.add(self._show(rel))
                 continue
             node = known.pop(name, None)
@@ -340,12 +371,19 @@ class Reconciler:
                     log.warning("ignoring %s: only tenant directories live at the top",
                                 self._show(rel))
                     continue
-                node = self.add(dnode, name, rel, st, batch, pins, pre)
+                try:
+                    node = self.add(dnode, name, rel, st, batch, pins, pre)
+                except FileNotFoundError:
+                    continue  # gone (or no longer what its lstat said) since the listing
                 if node is None:
                     continue
             elif refresh and node.is_reg and (node.size != st.st_size or self.verify
                                               or node.tier):
-                self.refresh(node, rel, st)
+                try:
+                    self.refresh(node, rel, st)
+                except FileNotFoundError:
+                    known[name] = node  # not there as a file: dropped below
+                    continue
             if stat.S_ISDIR(st.st_mode) and not (self.lazy and node.inode in self.unlisted):
                 stack.append((node, rel))
         self.index.insert_many(batch)
@@ -374,9 +412,11 @@ class Reconciler:
             rel = self.path_of(node)
             if rel is not None:
                 try:
-                    os.unlink(self.store.path(rel))
+                    self.store.unlink(rel)
                 except FileNotFoundError:
                     pass
+                except OSError as exc:
+                    log.warning("not removing %s: %s", self._show(rel), exc)
                 self.report.removed_partial.add(self._show(rel))
             self.index.delete(node.inode)
 

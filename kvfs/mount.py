@@ -89,6 +89,7 @@ def open_index(store: BackingStore) -> Index:
 def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     """Lock the backing directory and bring the index up to date."""
     store, lock_fd = open_state_dir(opts.backing)
+    store.clear_staging()  # fetches cut short by the last stop
     index = open_index(store)
     if not index.has_entries():
         # A tree this index never saw (a first mount, an index deleted, files copied into a

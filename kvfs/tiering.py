@@ -4,14 +4,16 @@ The tiers themselves (`kvfs.tiers`) are blocking stores; this module runs them f
 threads with deadlines, circuit breakers and one fetch per key at a time:
 
 - `fetch(key, rel)`: a hot miss looks in each lower tier in order. The first that has the
-  block delivers it into a temporary beside its hot path; the bytes are verified (header,
-  size, checksum, name) before the temporary is renamed into place. A tier past its deadline
-  or failing is a miss (counted); its breaker opens after repeated failures, so a dead store
-  costs one deadline, not one per block (nor one per batch of blocks: fetches that were
-  waiting for a thread when the circuit opened are skipped, not made). Concurrent fetches of
-  one key wait on the first.
+  block delivers it into a temporary in a directory only the daemon writes (the backing
+  tree's staging directory); the bytes are verified (header, size, checksum, name) before
+  the temporary is renamed into its verified hot directory (`store.Placement`). A tier past
+  its deadline or failing is a miss (counted); its breaker opens after repeated failures,
+  so a dead store costs one deadline, not one per block (nor one per batch of blocks:
+  fetches that were waiting for a thread when the circuit opened are skipped, not made).
+  Concurrent fetches of one key wait on the first.
 - `demote(key, rel)`: eviction puts the block into the first lower tier before the hot copy
-  is unlinked.
+  is unlinked. Uploads and demotions read the hot copy through a `Source` the daemon gives:
+  a reader of the file on a verified fd (never through a tenant's symlink).
 - `enqueue_upload(key, rel)`: write-through publishing to the shared tiers, asynchronous:
   a bounded queue drained by a few uploader tasks; a full queue drops (counted), failures are
   retried a few times with backoff and then dropped. A save never waits for it.
@@ -26,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import trio
 
@@ -92,11 +94,11 @@ class _Handoff:
         self.abandoned = False
         self.result: Fetched | None = None
 
-    def place(self, tmp: str, final: str, fetched: Fetched) -> Fetched | None:
+    def place(self, tmp: str, put: Callable[[str], None], fetched: Fetched) -> Fetched | None:
         with self.lock:
             if self.abandoned:
                 return None
-            os.rename(tmp, final)
+            put(tmp)
             self.result = fetched
             return fetched
 
@@ -106,12 +108,46 @@ class _Handoff:
             return self.result
 
 
-def _verify(tmp: str, final: str, key: str, owner: tuple[int, int, int]) -> Fetched:
+class SourceError(Exception):
+    """The local copy of a block to upload or demote could not be read as one (gone, a
+    symlink or FIFO a tenant put in its place, not a block): nothing to send. Not the tier's
+    fault: no retry, and its circuit is not touched."""
+
+
+#: A block to send to a tier: a local path the daemon alone writes, or a function (run in the
+#: worker thread) that reads the block's bytes safely from the hot tier.
+Source = str | Callable[[], bytes]
+
+
+class Destination(Protocol):
+    """Where a fetched block goes when it is not a plain path (see store.Placement): its
+    name, a temporary in a directory only the daemon writes, and the final move."""
+
+    name: str
+
+    def temporary(self, tag: str) -> str: ...
+
+    def place(self, tmp: str) -> None: ...
+
+
+def _put(tier: Tier, key: str, src: Source) -> bool:
+    """Thread: read the source (if it is a reader) and put it."""
+    if callable(src):
+        try:
+            src = src()
+        except FileNotFoundError:
+            raise  # evicted or removed meanwhile
+        except (OSError, blockfile.BlockFormatError) as exc:
+            raise SourceError(str(exc)) from exc
+    return tier.put(key, src)
+
+
+def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int]) -> Fetched:
     """Thread: check a fetched temporary, ready to be renamed into its hot path."""
     with open(tmp, "rb") as f:
         data = f.read()
     hdr, _ = blockfile.decode(data)  # header, size, checksum, padding
-    expected = hashing.parse_block_filename(os.path.basename(final))
+    expected = hashing.parse_block_filename(name)
     if expected is not None and hdr.block_hash != expected:
         raise blockfile.BlockFormatError("mismatch", f"{key} holds block {hdr.block_hash.hex()}")
     uid, gid, mode = owner
@@ -138,7 +174,8 @@ class Tiering:
         self.counters = [TierCounters() for _ in tiers]
         self._inflight: dict[str, trio.Event] = {}
         self._results: dict[str, Fetched | None] = {}
-        self._send, self._recv = trio.open_memory_channel[tuple[str, str, int]](UPLOAD_QUEUE)
+        self._send, self._recv = trio.open_memory_channel[tuple[str, Source, int]](
+            UPLOAD_QUEUE)
 
     def reachable(self) -> bool:
         """Whether some tier may be asked now (its circuit is not open)."""
@@ -175,9 +212,10 @@ class Tiering:
                                                            abandon_on_cancel=True)
         return False, None
 
-    async def fetch(self, key: str, final: str, owner: tuple[int, int, int],
+    async def fetch(self, key: str, final: str | Destination, owner: tuple[int, int, int],
                     size: int | None = None) -> Fetched | None:
-        """Bring a block from the first lower tier that has it to `final`; None on a miss."""
+        """Bring a block from the first lower tier that has it to `final` (a path in a tree
+        only the daemon writes, or a `Destination`); None on a miss."""
         event = self._inflight.get(key)
         if event is not None:
             await event.wait()
@@ -194,15 +232,25 @@ class Tiering:
                 self._results.clear()
         return result
 
-    async def _fetch(self, key: str, final: str, owner: tuple[int, int, int],
+    async def _fetch(self, key: str, final: str | Destination, owner: tuple[int, int, int],
                      size: int | None) -> Fetched | None:
+        if isinstance(final, str):
+            name, where = os.path.basename(final), os.path.dirname(final)
+
+            def temporary(tag: str) -> str:
+                return f"{where}/.kvfs-tmp.{tag}"
+
+            def put(tmp: str) -> None:
+                os.rename(tmp, final)
+        else:
+            name, temporary, put = final.name, final.temporary, final.place
         for i, tier in enumerate(self.tiers):
             c, breaker = self.counters[i], self.breakers[i]
             opens = breaker.opens
             if not breaker.allow():
                 c.skipped += 1
                 continue
-            tmp = f"{os.path.dirname(final)}/.kvfs-tmp.fetch.{time.monotonic_ns()}"
+            tmp = temporary(f"fetch.{time.monotonic_ns()}")
             handoff = _Handoff()
 
             def work(tier: Tier = tier, tmp: str = tmp, handoff: _Handoff = handoff
@@ -210,7 +258,7 @@ class Tiering:
                 try:
                     if not tier.get(key, tmp):
                         return None
-                    return handoff.place(tmp, final, _verify(tmp, final, key, owner))
+                    return handoff.place(tmp, put, _verify(tmp, name, key, owner))
                 finally:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
@@ -256,7 +304,7 @@ class Tiering:
             return got
         return None
 
-    async def demote(self, key: str, path: str, size: int) -> int:
+    async def demote(self, key: str, path: Source, size: int) -> int:
         """Put a block being evicted into the first lower tier: its 1-based index, 0 if it
         could not be placed there (then the block is simply deleted)."""
         if not self.tiers:
@@ -266,8 +314,12 @@ class Tiering:
             c.demotion_failures += 1
             return 0
         try:
-            done, _ = await self._call(0, self.tiers[0].put, key, path,
+            done, _ = await self._call(0, _put, self.tiers[0], key, path,
                                        timeout=self.deadline(size) * 4)
+        except SourceError as exc:
+            c.demotion_failures += 1
+            log.warning("demote %s: the hot copy is not a block: %s", key, exc)
+            return 0
         except (TierError, OSError) as exc:
             breaker.failure()
             c.demotion_failures += 1
@@ -281,7 +333,7 @@ class Tiering:
         c.demotions += 1
         return 1
 
-    def enqueue_upload(self, key: str, path: str) -> None:
+    def enqueue_upload(self, key: str, path: Source) -> None:
         if not self.write_through:
             return
         for i in self.shared:
@@ -298,10 +350,14 @@ class Tiering:
                     await trio.sleep(breaker.cooldown / 2 + attempt)
                     continue
                 try:
-                    done, _ = await self._call(i, self.tiers[i].put, key, path,
+                    done, _ = await self._call(i, _put, self.tiers[i], key, path,
                                                timeout=self.deadline(None) * 4)
                 except FileNotFoundError:
                     break  # evicted or removed before it was uploaded: nothing to publish
+                except SourceError as exc:
+                    log.warning("upload %s: the hot copy is not a block: %s", key, exc)
+                    c.upload_failures += 1
+                    break
                 except (TierError, OSError) as exc:
                     breaker.failure()
                     log.info("upload %s (attempt %d): %s", key, attempt + 1, exc)

@@ -16,6 +16,7 @@ tier that keeps failing. boto3 is imported only when an S3 tier is built.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -73,6 +74,12 @@ def _copy_fd(src: int, dst: int) -> None:
         os.write(dst, buf)
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 def _temp_beside(path: str) -> tuple[str, int]:
     """Create an exclusive 0600 temporary in the directory of `path`: (name, fd)."""
     tmp = os.path.join(os.path.dirname(path), f"{TMP_PREFIX}{uuid.uuid4().hex}")
@@ -104,9 +111,10 @@ class Tier(ABC):
     url: str
 
     @abstractmethod
-    def put(self, key: str, src: str) -> bool:
-        """Store the file at local path `src` under `key`, atomically. Idempotent: False (and
-        nothing written) if the key already exists, True if this call wrote it."""
+    def put(self, key: str, src: str | bytes) -> bool:
+        """Store the file at local path `src` (or the bytes `src`) under `key`, atomically.
+        Idempotent: False (and nothing written) if the key already exists, True if this call
+        wrote it."""
 
     @abstractmethod
     def get(self, key: str, dest: str) -> bool:
@@ -161,17 +169,20 @@ class DirTier(Tier):
     def _error(self, op: str, key: str, exc: BaseException) -> TierError:
         return TierError(self.name, op, key, exc)
 
-    def put(self, key: str, src: str) -> bool:
+    def put(self, key: str, src: str | bytes) -> bool:
         dest = self._path(key)
         if os.path.lexists(dest):
             return False
         tmp = None
         try:
             _makedirs(os.path.dirname(dest), self.root)
-            with open(src, "rb") as f:
+            with contextlib.nullcontext(src) if isinstance(src, bytes) else open(src, "rb") as f:
                 tmp, fd = _temp_beside(dest)
                 try:
-                    _copy_fd(f.fileno(), fd)
+                    if isinstance(f, bytes):
+                        _write_all(fd, f)
+                    else:
+                        _copy_fd(f.fileno(), fd)
                     if self.fsync:
                         os.fsync(fd)
                 finally:
@@ -375,7 +386,7 @@ class S3Tier(Tier):
 
     # -- the Tier API ---------------------------------------------------------------------
 
-    def put(self, key: str, src: str) -> bool:
+    def put(self, key: str, src: str | bytes) -> bool:
         """HEAD, then a conditional PUT (`If-None-Match: *`). The HEAD saves uploading a block
         that is already there (the common case when many hosts publish the same prefix); the
         condition makes the store itself refuse a key that appeared since (412), so concurrent
@@ -390,7 +401,8 @@ class S3Tier(Tier):
         for _ in range(3):
             conditional = self._conditional
             try:
-                with open(src, "rb") as f:
+                with (contextlib.nullcontext(src) if isinstance(src, bytes)
+                      else open(src, "rb")) as f:
                     kw = {"IfNoneMatch": "*"} if conditional else {}
                     self._client.put_object(Bucket=self.bucket, Key=full, Body=f, **kw)
                 return True
