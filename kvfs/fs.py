@@ -31,7 +31,7 @@ from pyfuse3 import FUSEError
 
 from . import __version__, blockfile, control, fsck, hashing
 from .audit import Audit
-from .capacity import Budget, Limits, quota_overflow
+from .capacity import UNLIMITED, Budget, Limits, fair_shares, quota_overflow, room_order
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .policy import DEFAULT_POLICY, Policy, policy_by_name
 from .stats import Key, Stats
@@ -124,6 +124,21 @@ class Handle:
     nwritten: int = 0
     next_off: int = 0  # where a sequential reader reads next
     ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
+
+
+@dataclass(slots=True)
+class Plan:
+    """Files chosen to make room, not evicted yet."""
+
+    nodes: list[Node] = field(default_factory=list)
+    from_policy: list[tuple[Node, Hashable]] = field(default_factory=list)  # taken out of it
+    skip: set[int] = field(default_factory=set)  # inodes not to choose (chosen, or growing)
+
+    def take(self, node: Node, key: Hashable | None = None) -> None:
+        self.nodes.append(node)
+        self.skip.add(node.inode)
+        if key is not None:
+            self.from_policy.append((node, key))
 
 
 @dataclass
@@ -275,11 +290,13 @@ class Operations(pyfuse3.Operations):
         p = self.policies.get(tenant)
         return self.stats.tenant_files(tenant) - (len(p) if p is not None else 0)
 
-    def _cold_victims(self, tenant: int, need: int, chosen: list[Node], cold: int) -> int:
-        """Choose cold files of a tenant, least recently accessed first, until `need` bytes;
-        returns the bytes chosen. Files the policy holds are skipped: it orders those. A scan
-        that runs out remembers how many cold files it could not take (`_cold_floor`), so
-        that the next eviction does not scan the tenant's files again for nothing."""
+    def _cold_victims(self, tenant: int, need: int, plan: Plan, cold: int,
+                      limit: int = UNLIMITED) -> int:
+        """Choose cold files of a tenant, least recently accessed first, until `need` bytes
+        (and no more than `limit`); returns the bytes chosen. Files the policy holds are
+        skipped: it orders those. A scan that runs out remembers how many cold files it could
+        not take (`_cold_floor`), so that the next eviction does not scan the tenant's files
+        again for nothing."""
         policy = self.policies.get(tenant)
         freed, after, taken = 0, (-1, 0), 0
         while freed < need:
@@ -290,10 +307,12 @@ class Operations(pyfuse3.Operations):
             for node in rows:
                 after = (node.atime_ns, node.inode)
                 if (node.inode in self.open_files or node.inode in self.evicting
-                        or self._is_manifest(node)
+                        or node.inode in plan.skip or self._is_manifest(node)
                         or (policy is not None and self._pkey(node) in policy)):
                     continue
-                chosen.append(node)
+                if freed + node.size > limit:
+                    return freed
+                plan.take(node)
                 taken += 1
                 freed += node.size
                 if freed >= need:
@@ -516,57 +535,108 @@ class Operations(pyfuse3.Operations):
             except Exception:
                 log.exception("retention scan failed")
 
-    def _victims(self, need: int, tenant: int | None) -> list[Node]:
-        """Choose files to evict that free at least `need` bytes (fewer if there are not
-        enough). Without a tenant, take from the tenant furthest over its share first."""
-        chosen: list[Node] = []
+    def _tenant_victims(self, t: int, need: int, plan: Plan, limit: int = UNLIMITED) -> int:
+        """Choose files of tenant `t` worth at least `need` bytes into `plan` (fewer if it has
+        not enough evictable, and never more than `limit`); returns the bytes chosen. Cold
+        files go first, then the policy's victims in its order; each leaves the policy at
+        once, so that its parent may become the next victim (`_undo` puts them back)."""
         freed = 0
-        tenants = [tenant] if tenant is not None else sorted(
-            set(self.policies) | {t for t, _ in self.stats.by_ns},
-            key=lambda t: -self._pressure(t))
-        for t in tenants:
-            cold = self._cold(t)
-            # Files without policy state go first, unless a scan has just found that the
-            # cold files left cannot be evicted (pinned, open, a manifest).
-            floor = self._cold_floor[t] = min(self._cold_floor.get(t, 0), cold)
-            if cold > floor:
-                freed += self._cold_victims(t, need - freed, chosen, cold)
-                if freed >= need:
-                    break
-            policy = self.policies.get(t)
-            if policy is None:
+        cold = self._cold(t)
+        # Files without policy state go first, unless a scan has just found that the
+        # cold files left cannot be evicted (pinned, open, a manifest).
+        floor = self._cold_floor[t] = min(self._cold_floor.get(t, 0), cold)
+        if cold > floor:
+            freed += self._cold_victims(t, need, plan, cold, limit)
+            if freed >= need or freed >= limit:
+                return freed
+        policy = self.policies.get(t)
+        if policy is None:
+            return freed
+        stale = []
+        offered = policy.victims()
+        for key in offered:
+            inode = self._inode_of(key)
+            if inode in self.open_files or inode in self.evicting or inode in plan.skip:
+                continue  # being read or written (or the file that grows): never evicted
+            node = self.index.find(inode) if inode is not None else None
+            if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
+                stale.append(key)
                 continue
-            stale = []
-            offered = policy.victims()
-            for key in offered:
-                inode = self._inode_of(key)
-                if inode in self.open_files or inode in self.evicting:
-                    continue  # being read or written: never evicted
-                node = self.index.find(inode) if inode is not None else None
-                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
-                    stale.append(key)
-                    continue
-                if self._is_manifest(node):
-                    continue  # kept, and kept in the policy (not made cold)
-                # Out of the policy at once, so that its parent may become the next victim.
-                policy.remove(key)
-                chosen.append(node)
-                freed += node.size
-                if freed >= need:
-                    break
-            offered.close()
-            for key in stale:
-                policy.remove(key)
+            if self._is_manifest(node):
+                continue  # kept, and kept in the policy (not made cold)
+            if freed + node.size > limit:
+                break
+            policy.remove(key)
+            plan.take(node, key)
+            freed += node.size
             if freed >= need:
                 break
-        return chosen
+        offered.close()
+        for key in stale:
+            policy.remove(key)
+        return freed
 
-    def _pressure(self, tenant: int) -> float:
-        used = self.stats.tenant_bytes(tenant)
-        limits = self.limits.get(tenant)
-        share = limits.quota if limits is not None and limits.quota else (
-            self.info.capacity or 1)
-        return used / share
+    def _tenant_usage(self) -> dict[int, int]:
+        usage: dict[int, int] = {}
+        for (t, _), c in self.stats.by_ns.items():
+            if t:
+                usage[t] = usage.get(t, 0) + c.bytes
+        return usage
+
+    def _room_victims(self, plan: Plan, need: int, grower: int | None,
+                      usage: dict[int, int]) -> int:
+        """Choose files worth `need` bytes of capacity under the fair-share rule
+        (`capacity.room_order`); returns the bytes chosen."""
+        quotas = {t: lim.quota for t, lim in self.limits.items()}
+        shares = fair_shares(usage, self.info.capacity or 0, quotas, grower)
+        freed = 0
+        for t, want, limit in room_order(usage, shares, grower, need):
+            freed += self._tenant_victims(t, min(need - freed, want), plan, limit)
+            if freed >= need:
+                break
+        return freed
+
+    def _victims(self, need: int, tenant: int | None) -> list[Node]:
+        """Choose files to evict that free at least `need` bytes (fewer if there are not
+        enough): a tenant's own, or (background eviction) under the fair-share rule."""
+        plan = Plan()
+        if tenant is not None:
+            self._tenant_victims(tenant, need, plan)
+        else:
+            self._room_victims(plan, need, None, self._tenant_usage())
+        return plan.nodes
+
+    def _plan_room(self, tenant: int, growth: int, exclude: int | None) -> Plan:
+        """What must go before `tenant` grows by `growth` bytes, chosen but not yet evicted:
+        its own files past its quota, then files under the fair-share rule past the
+        capacity. A growth that cannot fit is refused here (EDQUOT, ENOSPC), with the choice
+        undone: nothing is evicted for a request that fails anyway."""
+        plan = Plan()
+        if exclude is not None:
+            plan.skip.add(exclude)
+        usage = self._tenant_usage()
+        used = sum(usage.values())
+        over = quota_overflow(self.limits.get(tenant), usage.get(tenant, 0), growth)
+        if over:
+            got = self._tenant_victims(tenant, over, plan)
+            if got < over:
+                self._undo(plan)
+                raise FUSEError(errno.EDQUOT)
+            usage[tenant] = usage.get(tenant, 0) - got
+            used -= got
+        over = self.budget.overflow(used, growth)
+        if over and self._room_victims(plan, over, tenant, usage) < over:
+            self._undo(plan)
+            raise FUSEError(errno.ENOSPC)
+        return plan
+
+    def _undo(self, plan: Plan) -> None:
+        """Put files chosen for a plan that will not run back into their policies."""
+        for node, key in plan.from_policy:
+            p = self._policy(node.tenant)
+            p.insert(key, node.size, parent=self._parent_key(node), now=time.time())
+            if node.pinned:
+                p.pin(key, True)
 
     async def evict(self, need: int, tenant: int | None = None, reason: str = "evicted") -> int:
         """Evict files worth at least `need` bytes; returns the bytes freed."""
@@ -669,22 +739,32 @@ class Operations(pyfuse3.Operations):
                     parents.add(node.parent)
             dirs = parents
 
-    async def _make_room(self, node: Node, growth: int) -> None:
-        """Before a file of `node`'s tenant grows by `growth` bytes: evict to make it fit,
-        or refuse with EDQUOT (tenant quota) or ENOSPC (capacity)."""
+    async def _make_room(self, node: Node, growth: int, size: int | None = None,
+                         exclude: int | None = None) -> None:
+        """Before a file of `node`'s tenant grows by `growth` bytes (to `size` bytes, when
+        one file grows): decide whether it can fit at all, then evict what that takes.
+
+        Refused at once, with nothing evicted and nothing changed: EFBIG when the size itself
+        can never fit (more than the capacity), EDQUOT when it passes the tenant's quota and
+        its own evictable files cannot make up the difference, ENOSPC when the capacity
+        cannot be freed under the fair-share rule. `exclude` (the file that grows) is never
+        chosen to make room for itself."""
         if growth <= 0:
             return
         tenant = node.tenant
-        over = quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth)
-        if over:
-            await self.evict(over, tenant)
-            if quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth):
-                raise FUSEError(errno.EDQUOT)
-        over = self.budget.overflow(self.stats.used_bytes, growth)
-        if over:
-            await self.evict(over)
-            if self.budget.overflow(self.stats.used_bytes, growth):
-                raise FUSEError(errno.ENOSPC)
+        cap, limits = self.info.capacity, self.limits.get(tenant)
+        whole = growth if size is None else size
+        if cap is not None and whole > cap:
+            raise FUSEError(errno.EFBIG)
+        if limits is not None and limits.quota is not None and whole > limits.quota:
+            raise FUSEError(errno.EDQUOT)
+        for _ in range(4):  # again when other requests took the room freed meanwhile
+            plan = self._plan_room(tenant, growth, exclude)
+            if not plan.nodes:
+                break
+            await self._remove_files(plan.nodes, "evicted")
+        else:
+            raise FUSEError(errno.ENOSPC)
         if self.budget.excess(self.stats.used_bytes + growth):
             self._wake_evictor()
 
@@ -955,7 +1035,7 @@ class Operations(pyfuse3.Operations):
         if current is not None and not current.tier:
             return current  # another request placed it meanwhile
         try:
-            await self._make_room(dnode, got.size)
+            await self._make_room(dnode, got.size, got.size)
         except FUSEError:
             await self._io(self.store.unlink_many, [rel])
             return None
@@ -1006,7 +1086,8 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size < 0:
                 raise FUSEError(errno.EINVAL)
-            await self._make_room(node, attr.st_size - self._size_of(node))
+            await self._make_room(node, attr.st_size - self._size_of(node), attr.st_size,
+                                  exclude=inode)
             kwargs["size"] = attr.st_size
             h = self.handles.get(fh) if fh is not None else None
             if h is not None and h.fd >= 0 and h.writable:
@@ -1303,7 +1384,8 @@ class Operations(pyfuse3.Operations):
         of = self.open_files[h.inode]
         growth = off + len(buf) - of.size
         if growth > 0:
-            await self._make_room(self.index.get(h.inode), growth)
+            await self._make_room(self.index.get(h.inode), growth, off + len(buf),
+                                  exclude=h.inode)
             # Account before the await, so that concurrent writes see each other's growth.
             self.stats.account(h.key, 0, growth)
             of.size += growth
@@ -1783,7 +1865,8 @@ class Operations(pyfuse3.Operations):
         if dropped:
             await self._io(self.store.unlink_many, dropped)
         try:
-            await self._make_room(dnode, sum(st.st_size for _, _, _, st in fresh))
+            sizes = [st.st_size for _, _, _, st in fresh]
+            await self._make_room(dnode, sum(sizes), max(sizes, default=0))
         except FUSEError:
             # Nothing is left behind by a write that cannot be placed.
             await self._io(self.store.unlink_many, [rel for _, rel, _, _ in fresh])
