@@ -32,9 +32,20 @@ class CliError(Exception):
         self.code = code
 
 
+def _private_log(path: str) -> None:
+    """Create (or restrict) a daemon log as readable by its owner (root) alone: it names
+    every tenant's files."""
+    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600))
+    os.chmod(path, 0o600)
+
+
 def _setup_logging(log_file: str | None, debug: bool) -> None:
     handler: logging.Handler
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    if log_file:
+        _private_log(log_file)
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S"))
@@ -105,7 +116,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise CliError(f"backing directory {opts.backing} does not exist")
     if not os.path.isdir(opts.mountpoint):
         raise CliError(f"mount point {opts.mountpoint} is not a directory")
-    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
+    _private_log(log_file)
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "kvfs.cli", "mount", opts.backing, opts.mountpoint,
            "--foreground", "--ready-fd", str(wfd), "--log", log_file]

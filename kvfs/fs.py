@@ -910,6 +910,8 @@ class Operations(pyfuse3.Operations):
             self._dir_paths.pop(node.inode, None)
             if node.inode == node.tenant:
                 self.stats.drop_tenant(node.inode)
+            elif node.inode == node.ns:
+                self.stats.fold_namespace(node.tenant, node.inode)
         if self.lookups.get(node.inode) or node.inode in self.open_files:
             self.index.orphan(node.inode)
             self.orphans.add(node.inode)
@@ -1279,7 +1281,10 @@ class Operations(pyfuse3.Operations):
         if inode in (VSTATS, VVERSION):
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise FUSEError(errno.EACCES)
-            content = self._stats_json() if inode == VSTATS else f"{__version__}\n".encode()
+            if inode == VSTATS:
+                content = self._stats_json(await self._visible_tenants(ctx))
+            else:
+                content = f"{__version__}\n".encode()
             return pyfuse3.FileInfo(fh=self._new_fh(Handle(inode, content=content)),
                                     direct_io=True, keep_cache=False)
         node = self.index.get(inode)
@@ -2021,10 +2026,29 @@ class Operations(pyfuse3.Operations):
                 out[inode] = node.name.decode(errors="replace")
         return out
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything `.kvfs/stats.json` shows."""
+    async def _visible_tenants(self, ctx: Any) -> set[int] | None:
+        """The tenants whose counters a caller may see: those whose directory it may enter
+        (search permission, by its uid, gid and supplementary groups); None (all) for root
+        and the mount's owner. Model names and usage are the tenant's data too."""
+        if ctx.uid in (0, self.owner_uid):
+            return None
+        groups = {ctx.gid} | await self._io(_groups_of, ctx.pid)
+        out = set()
+        for t in self.index.tenants():
+            if t.uid == ctx.uid:
+                bit = stat.S_IXUSR
+            elif t.gid in groups:
+                bit = stat.S_IXGRP
+            else:
+                bit = stat.S_IXOTH
+            if t.mode & bit:
+                out.add(t.inode)
+        return out
+
+    def snapshot(self, tenants: set[int] | None = None) -> dict[str, Any]:
+        """Everything `.kvfs/stats.json` shows; the counters of `tenants` only (None: all)."""
         keys = set(self.stats.by_ns)
-        names = self.names_of({t for t, _ in keys} | {n for _, n in keys if n})
+        names = self.names_of({t for t, _ in keys} | {n for _, n in keys if n > 0})
         return {
             "version": __version__,
             "pid": self.info.pid,
@@ -2039,7 +2063,7 @@ class Operations(pyfuse3.Operations):
             # cold: cached, known to the index only, evicted first.
             "policy": {"name": self.info.policy, "entries_limit": self.info.policy_entries,
                        "entries": sum(len(p) for p in self.policies.values())},
-            "tenants": self.stats.render(names),
+            "tenants": self.stats.render(names, tenants),
             "tiers": self._tiers_snapshot(),
             # A tree adopted at its first mount until every directory is indexed: usage and
             # eviction see only what is indexed so far.
@@ -2056,5 +2080,17 @@ class Operations(pyfuse3.Operations):
             t["known_files"], t["known_bytes"] = known.get(i, (0, 0))
         return out
 
-    def _stats_json(self) -> bytes:
-        return json.dumps(self.snapshot(), indent=2, sort_keys=True).encode() + b"\n"
+    def _stats_json(self, tenants: set[int] | None = None) -> bytes:
+        return json.dumps(self.snapshot(tenants), indent=2, sort_keys=True).encode() + b"\n"
+
+
+def _groups_of(pid: int) -> set[int]:
+    """Thread: the supplementary groups of a process (none if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()

@@ -67,8 +67,12 @@ def open_state_dir(backing: str) -> tuple[BackingStore, int]:
         raise MountError(f"backing directory {backing} does not exist")
     store = BackingStore(backing)
     os.makedirs(store.state_dir, mode=0o700, exist_ok=True)
+    # The index, the log and the quarantine hold every tenant's names, sizes and hashes:
+    # root's alone, also in a state directory an older version made world-readable.
+    os.chmod(store.state_dir, 0o700)
     lock_fd = os.open(os.path.join(store.state_dir, LOCK_NAME.encode()),
                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.fchmod(lock_fd, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -83,7 +87,19 @@ def open_state_dir(backing: str) -> tuple[BackingStore, int]:
 
 
 def open_index(store: BackingStore) -> Index:
-    return Index(os.path.join(os.fsdecode(store.state_dir), INDEX_NAME))
+    path = os.path.join(os.fsdecode(store.state_dir), INDEX_NAME)
+    index = Index(path)
+    for name in (path, path + "-wal", path + "-shm"):  # SQLite makes them 0644
+        private(name)
+    return index
+
+
+def private(path: str) -> None:
+    """Make a file of the daemon's readable and writable by its owner (root) alone."""
+    try:
+        os.chmod(path, 0o600)
+    except FileNotFoundError:
+        pass
 
 
 def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
