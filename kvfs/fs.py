@@ -106,6 +106,7 @@ class OpenFile:
 
     handles: int = 0
     writers: int = 0
+    written: bool = False  # changed through an open for writing since its first such open
     size: int = 0
     mtime_ns: int = 0
     dirty: bool = False
@@ -813,7 +814,13 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = ENTRY_TIMEOUT
         a.attr_timeout = ENTRY_TIMEOUT
         a.st_mode = node.mode
-        a.st_nlink = 1
+        if node.parent == ORPHAN_PARENT:
+            a.st_nlink = 0  # unlinked, still open (or still known to the kernel)
+        elif node.is_dir:
+            # 2 + subdirectories, as POSIX tools (find) expect; the root also holds .kvfs/.
+            a.st_nlink = 2 + self.index.subdirs(node.inode) + (node.inode == ROOT_INODE)
+        else:
+            a.st_nlink = 1
         a.st_uid = node.uid
         a.st_gid = node.gid
         a.st_rdev = 0
@@ -835,7 +842,7 @@ class Operations(pyfuse3.Operations):
         a.st_ino = inode
         a.entry_timeout = a.attr_timeout = 0
         a.st_mode = (stat.S_IFDIR | 0o555) if inode == VDIR else (stat.S_IFREG | 0o444)
-        a.st_nlink = 1
+        a.st_nlink = 2 if inode == VDIR else 1
         a.st_blksize = 4096
         t = int(self.info.started * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
@@ -903,8 +910,17 @@ class Operations(pyfuse3.Operations):
                 policy.remove(self._pkey(node))
             self.stats.account(self._key(node), -1, -self._size_of(node))
 
+    def _dir_changed(self, *inodes: int) -> None:
+        """Entries were added to, removed from or renamed in these directories: their mtime
+        and ctime are now, as the backing directories' are."""
+        now = time.time_ns()
+        for inode in set(inodes):
+            if inode != ORPHAN_PARENT:
+                self.index.update(inode, mtime_ns=now, ctime_ns=now)
+
     def _drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
+        self._dir_changed(node.parent)
         self._unaccount(node)
         if node.is_dir:
             self._dir_paths.pop(node.inode, None)
@@ -1016,6 +1032,7 @@ class Operations(pyfuse3.Operations):
         found = self.index.lookup(ns_node.inode, name)
         if found is not None:
             return found
+        self._dir_changed(ns_node.inode)
         return self.index.insert(parent=ns_node.inode, name=name, mode=stat.S_IFDIR | mode,
                                  uid=ns_node.uid, gid=ns_node.gid, tenant=ns_node.tenant,
                                  ns=ns_node.ns)
@@ -1090,6 +1107,9 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EINVAL)
             await self._make_room(node, attr.st_size - self._size_of(node), attr.st_size,
                                   exclude=inode)
+            of = self.open_files.get(inode)
+            if of is not None and of.writers:
+                self._writing(of, inode)
             kwargs["size"] = attr.st_size
             h = self.handles.get(fh) if fh is not None else None
             if h is not None and h.fd >= 0 and h.writable:
@@ -1183,6 +1203,7 @@ class Operations(pyfuse3.Operations):
         tenant, ns = self._child_place(parent, stat.S_IFDIR)
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFDIR | mode,
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns)
+        self._dir_changed(parent.inode)
         self._audit(ctx.uid, ctx.pid, node, "mkdir", path=path)
         self._ref(node.inode)
         return self._attrs(node)
@@ -1223,13 +1244,21 @@ class Operations(pyfuse3.Operations):
             if of.writers == 1:
                 of.dirty = True
                 of.size = node.size
-                # Being written: not a block any more until its last writer closes it.
-                self._unblock(node)
-                self.index.update(node.inode, writing=1, block_hash=None, parent_hash=None)
         h = Handle(node.inode, fd, writable, self._key(node))
         if ctx is not None:
             h.uid, h.pid = ctx.uid, ctx.pid
         return self._new_fh(h)
+
+    def _writing(self, of: OpenFile, inode: int) -> None:
+        """The first change (write, truncate, fallocate) to a file open for writing: from now
+        until its last writer closes it the file is being written, so not a block, and
+        removed if the daemon dies before that close. A file opened for writing but not
+        changed stays what it was (a block stays a block)."""
+        if of.written:
+            return
+        of.written = True
+        self._unblock(self.index.get(inode))
+        self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
 
     @staticmethod
     def _backing_flags(flags: int) -> int:
@@ -1258,10 +1287,13 @@ class Operations(pyfuse3.Operations):
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
                                  writing=int(writable))
+        self._dir_changed(parent.inode)
         self.stats.account(self._key(node), 1, 0)
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
         self._bound()
         fh = self._register(node, fd, writable, ctx)
+        if writable:
+            self.open_files[node.inode].written = True  # new: marked `writing` from the start
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
         return fi, self._attrs(node)
@@ -1317,6 +1349,7 @@ class Operations(pyfuse3.Operations):
         now = time.time_ns()
         if truncate:
             of = self.open_files[inode]
+            self._writing(of, inode)
             self.stats.account(self._key(node), 0, -of.size)
             of.size, of.mtime_ns = 0, now
         self.index.update(inode, atime_ns=now)
@@ -1394,6 +1427,7 @@ class Operations(pyfuse3.Operations):
             # Account before the await, so that concurrent writes see each other's growth.
             self.stats.account(h.key, 0, growth)
             of.size += growth
+        self._writing(of, h.inode)
         n = 0
         try:
             n = await self._io(os.pwrite, h.fd, buf, off)
@@ -1409,7 +1443,7 @@ class Operations(pyfuse3.Operations):
 
     def _persist(self, inode: int) -> None:
         of = self.open_files.get(inode)
-        if of is not None and of.dirty:
+        if of is not None and of.dirty and of.written:
             self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
 
     @handler
@@ -1441,15 +1475,17 @@ class Operations(pyfuse3.Operations):
         finally:
             of = self.open_files[h.inode]
             of.handles -= 1
+            changed = of.written
             if h.writable:
                 of.writers -= 1
                 if of.writers == 0:
-                    self._persist(h.inode)
-                    self.index.update(h.inode, writing=0)
-                    of.dirty = False
+                    if changed:
+                        self._persist(h.inode)
+                        self.index.update(h.inode, writing=0)
+                    of.dirty = of.written = False
             if of.handles == 0:
                 del self.open_files[h.inode]
-        if h.writable and of.writers == 0:
+        if h.writable and of.writers == 0 and changed:
             await self._complete(h.inode)
         self._purge_orphan(h.inode)
 
@@ -1558,6 +1594,7 @@ class Operations(pyfuse3.Operations):
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFLNK | 0o777,
                                  uid=ctx.uid, gid=gid, size=len(target), target=target,
                                  tenant=tenant, ns=ns)
+        self._dir_changed(parent.inode)
         self._ref(node.inode)
         return self._attrs(node)
 
@@ -1630,6 +1667,8 @@ class Operations(pyfuse3.Operations):
                     self._drop(target)
                 self.index.move(node.inode, parent_new, name_new)
             self._replace_place(node, new_parent)
+            self._dir_changed(parent_old, parent_new)
+            self.index.update(node.inode, ctime_ns=time.time_ns())
         if node.is_dir or (target is not None and target.is_dir):
             self._forget_dir_paths()
         if node.is_reg and node.inode not in self.open_files and (
@@ -1879,11 +1918,13 @@ class Operations(pyfuse3.Operations):
         dnode = self.index.get(dnode.inode)
         key = self._key(dnode)
         c = self.stats.by_ns[key]
+        changed: set[int] = set()  # directories with new entries
         with self.index.transaction():
             for h, _rel, hdr, st in fresh:
                 fan = h[:1].hex().encode()
                 fnode = self.index.lookup(dnode.inode, fan)
                 if fnode is None:
+                    changed.add(dnode.inode)
                     fst = fan_stats[fan]
                     fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
                                               uid=fst.st_uid, gid=fst.st_gid,
@@ -1894,6 +1935,7 @@ class Operations(pyfuse3.Operations):
                 node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
                                          uid=st.st_uid, gid=st.st_gid, size=st.st_size,
                                          tenant=dnode.tenant, ns=dnode.ns)
+                changed.add(fnode.inode)
                 self.index.update(node.inode, block_hash=hdr.block_hash,
                                   parent_hash=hdr.parent_hash)
                 self._cache_block(node)
@@ -1901,6 +1943,7 @@ class Operations(pyfuse3.Operations):
                 self.stats.account(key, 1, st.st_size)
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
+            self._dir_changed(*changed)
 
     async def _fetch_many(self, dnode: Node, hashes: list[bytes],
                           budget: float | None = None) -> None:
