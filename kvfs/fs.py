@@ -106,7 +106,8 @@ class OpenFile:
 
     handles: int = 0
     writers: int = 0
-    written: bool = False  # changed through an open for writing since its first such open
+    written: bool = False  # changed since the last flush (or the open): marked `writing`
+    changed: bool = False  # changed since its first writer opened it: checked at the last close
     size: int = 0
     mtime_ns: int = 0
     dirty: bool = False
@@ -1256,7 +1257,7 @@ class Operations(pyfuse3.Operations):
         changed stays what it was (a block stays a block)."""
         if of.written:
             return
-        of.written = True
+        of.written = of.changed = True
         self._unblock(self.index.get(inode))
         self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
 
@@ -1292,8 +1293,8 @@ class Operations(pyfuse3.Operations):
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
         self._bound()
         fh = self._register(node, fd, writable, ctx)
-        if writable:
-            self.open_files[node.inode].written = True  # new: marked `writing` from the start
+        if writable:  # new: marked `writing` from the start
+            self.open_files[node.inode].written = self.open_files[node.inode].changed = True
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
         return fi, self._attrs(node)
@@ -1443,7 +1444,7 @@ class Operations(pyfuse3.Operations):
 
     def _persist(self, inode: int) -> None:
         of = self.open_files.get(inode)
-        if of is not None and of.dirty and of.written:
+        if of is not None and of.dirty and of.changed:
             self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
 
     @handler
@@ -1451,6 +1452,13 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.writable:
             self._persist(h.inode)
+            of = self.open_files.get(h.inode)
+            if of is not None and of.written:
+                # close(2) returned to a writer: what it wrote is complete as far as it knows,
+                # so a daemon that dies before the (asynchronous) release must not remove it.
+                # A later write through another descriptor marks it again.
+                of.written = False
+                self.index.update(h.inode, writing=0)
 
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -1475,14 +1483,14 @@ class Operations(pyfuse3.Operations):
         finally:
             of = self.open_files[h.inode]
             of.handles -= 1
-            changed = of.written
+            changed = of.changed
             if h.writable:
                 of.writers -= 1
                 if of.writers == 0:
                     if changed:
                         self._persist(h.inode)
                         self.index.update(h.inode, writing=0)
-                    of.dirty = of.written = False
+                    of.dirty = of.written = of.changed = False
             if of.handles == 0:
                 del self.open_files[h.inode]
         if h.writable and of.writers == 0 and changed:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from . import fsck
+from . import fsck, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
@@ -221,6 +221,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         index.close()
         raise MountError(f"cannot mount {mountpoint}: {exc}") from None
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    # Ends the mount if this process dies without unmounting (see kvfs.watchdog).
+    watch_fd = watchdog.start(mountpoint)
     if ready is not None:
         ready()
     notify("READY=1")
@@ -259,6 +261,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         except OSError as exc:  # already unmounted by fusermount3 -u
             if exc.errno not in (errno.EINVAL, errno.ENOENT):
                 raise
+        watchdog.clean_stop(watch_fd)
         for of_inode in list(ops.open_files):
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
         ops.flush_atimes()
