@@ -1251,9 +1251,9 @@ class Operations(pyfuse3.Operations):
         return self._new_fh(h)
 
     def _writing(self, of: OpenFile, inode: int) -> None:
-        """The first change (write, truncate, fallocate) to a file open for writing: from now
-        until its last writer closes it the file is being written, so not a block, and
-        removed if the daemon dies before that close. A file opened for writing but not
+        """The first change (write, truncate) to a file open for writing: from now until its
+        writer closes it the file is being written (removed if the daemon dies before that
+        close), and not a block until its last writer closes it. A file opened for writing but not
         changed stays what it was (a block stays a block)."""
         if of.written:
             return
@@ -1282,12 +1282,21 @@ class Operations(pyfuse3.Operations):
         # fill pages.
         if accmode != os.O_RDONLY:
             bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
-        fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid)
         tenant, ns = self._child_place(parent, stat.S_IFREG)
         writable = accmode != os.O_RDONLY
+        # Indexed (as being written) before the backing file exists: a daemon that dies in
+        # between leaves a row that the next mount removes, never a stray empty file.
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
-                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
-                                 writing=int(writable))
+                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns, writing=1)
+        try:
+            fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid)
+        except BaseException:
+            current = self.index.find(node.inode)
+            if current is not None and current.parent != ORPHAN_PARENT:
+                self.index.delete(node.inode)
+            raise
+        if not writable:
+            self.index.update(node.inode, writing=0)
         self._dir_changed(parent.inode)
         self.stats.account(self._key(node), 1, 0)
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
@@ -1340,19 +1349,18 @@ class Operations(pyfuse3.Operations):
         truncate = writable and bool(flags & os.O_TRUNC)
         fd = await self._io(self.store.open, self._path(node), bflags)
         node = self.index.get(inode)
+        fh = self._register(node, fd, writable, ctx)
         if truncate:
+            of = self.open_files[inode]
+            self._writing(of, inode)  # marked before the backing file changes
             try:
                 await self._io(os.ftruncate, fd, 0)
             except BaseException:
-                os.close(fd)
+                await self.release(fh)
                 raise
-        fh = self._register(node, fd, writable, ctx)
-        now = time.time_ns()
-        if truncate:
-            of = self.open_files[inode]
-            self._writing(of, inode)
             self.stats.account(self._key(node), 0, -of.size)
-            of.size, of.mtime_ns = 0, now
+            of.size, of.mtime_ns = 0, time.time_ns()
+        now = time.time_ns()
         self.index.update(inode, atime_ns=now)
         self._used(node, now / 1e9)
         if not writable and node.ns:

@@ -138,6 +138,7 @@ def _detach(mountpoint: str) -> None:
 
 
 def watch(daemon: int, mountpoint: str, dev: str) -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a ^C at a foreground daemon is the daemon's
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGUSR1), 0, 0, 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -333,6 +334,34 @@ def test_unlinked_open_file_stays_readable(tenant):
         assert not f.exists()
         assert fh.read() == b"still here"
         assert os.fstat(fh.fileno()).st_nlink == 0  # as on ext4: no name left
+
+
+def test_fallocate_is_refused_and_posix_fallocate_writes(mount_factory):
+    """fallocate(2) is refused in every mode (pyfuse3 has no fallocate handler): EOPNOTSUPP,
+    nothing changed. posix_fallocate(3) then falls back to writing, which kvfs accounts and
+    refuses past the capacity like any write (docs/architecture.md)."""
+    m = mount_factory(extra=["--capacity", "1M"])
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    f = m.mnt / "t" / "f"
+    f.write_bytes(b"abc")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(f, os.O_RDWR)
+    try:
+        # 0, KEEP_SIZE, PUNCH_HOLE | KEEP_SIZE, ZERO_RANGE
+        for mode in (0, 0x01, 0x02 | 0x01, 0x10):
+            assert libc.fallocate(fd, mode, 0, 64 << 10) == -1, mode
+            assert ctypes.get_errno() == errno.EOPNOTSUPP, mode
+            assert f.read_bytes() == b"abc"
+        os.posix_fallocate(fd, 0, 300 << 10)
+        assert os.fstat(fd).st_size == 300 << 10
+        with pytest.raises(OSError) as exc:
+            os.posix_fallocate(fd, 0, 2 << 20)  # larger than the capacity
+        assert exc.value.errno == errno.EFBIG
+    finally:
+        os.close(fd)
+    assert f.read_bytes()[:3] == b"abc" and not f.read_bytes()[3:300 << 10].strip(b"\0")
+    assert m.stats()["used_bytes"] <= 1 << 20
 
 
 def test_directory_link_counts(tenant, mount):
