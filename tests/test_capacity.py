@@ -338,3 +338,34 @@ def test_fair_shares_and_room_order():
     assert shares == {1: 500, 2: 500}
     assert room_order(usage, shares, None, 400) == [(1, 200, 200), (1, 143, UNLIMITED),
                                                     (2, 58, UNLIMITED)]
+
+
+def test_publish_that_cannot_fit_evicts_nothing(two):
+    """The client's save (a publish) is refused whole, with the files it wrote removed and
+    nothing of anyone evicted: EFBIG for a block larger than the capacity, ENOSPC for blocks
+    that would fit only by taking the other tenant below its fair share."""
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+    from kvfs.client import CacheFull
+
+    m = two
+    fill(m, "a", 1000, [200 * K] * 3)  # 600 KiB: above its share only once b holds bytes
+    before = tree(m.mnt / "a")
+    os.chown(m.mnt / "b", 0, 0)  # the client below runs in this (root) process
+    huge = kv.ModelSpec(model="huge", revision="1", kv_dtype="uint8", block_size=16,
+                        num_layers=1, num_kv_heads=1, head_dim=64 << 10)  # 2 MiB a block
+    with kv.KVCache.open(m.mnt, tenant="b", spec=huge) as cache:
+        with pytest.raises(CacheFull) as exc:
+            cache.save(cache.block_hashes([1] * 16), torch.zeros(1, *huge.block_shape,
+                                                                  dtype=torch.uint8))
+        assert exc.value.errno == errno.EFBIG
+    small = kv.ModelSpec(model="small", revision="1", kv_dtype="uint8", block_size=16,
+                         num_layers=1, num_kv_heads=1, head_dim=3 << 10)  # 100 KiB a block
+    with kv.KVCache.open(m.mnt, tenant="b", spec=small) as cache:
+        hashes = cache.block_hashes(list(range(16 * 6)))  # 6 blocks, 600 KiB: a would go to 424
+        with pytest.raises(CacheFull) as exc:
+            cache.save(hashes, torch.zeros(6, *small.block_shape, dtype=torch.uint8))
+        assert exc.value.errno == errno.ENOSPC
+        assert not any(os.path.exists(cache.path(h)) for h in hashes)
+        assert cache.save(hashes[:4], torch.zeros(4, *small.block_shape, dtype=torch.uint8)) == 4
+    assert tree(m.mnt / "a") == before  # 600 + 400 KiB fit without a single eviction
