@@ -106,7 +106,9 @@ class OpenFile:
 
     handles: int = 0
     writers: int = 0
-    written: bool = False  # changed since the last flush (or the open): marked `writing`
+    written: bool = False  # marked `writing`: changed through a descriptor not closed yet
+    pending: int = 0  # handles that changed it since their last flush
+    unowned: bool = False  # changed by a request of no handle (truncate by path): until the end
     changed: bool = False  # changed since its first writer opened it: checked at the last close
     size: int = 0
     mtime_ns: int = 0
@@ -125,6 +127,7 @@ class Handle:
     nread: int = 0
     nwritten: int = 0
     next_off: int = 0  # where a sequential reader reads next
+    written: bool = False  # changed the file since its last flush
     ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
 
 
@@ -1108,13 +1111,15 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EINVAL)
             await self._make_room(node, attr.st_size - self._size_of(node), attr.st_size,
                                   exclude=inode)
-            of = self.open_files.get(inode)
-            if of is not None and of.writers:
-                self._writing(of, inode)
             kwargs["size"] = attr.st_size
             h = self.handles.get(fh) if fh is not None else None
             if h is not None and h.fd >= 0 and h.writable:
                 kwargs["fd"] = h.fd
+            else:
+                h = None
+            of = self.open_files.get(inode)
+            if of is not None and of.writers:
+                self._writing(of, inode, h)
         if fields.update_mode:
             changes["mode"] = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
             kwargs["mode"] = stat.S_IMODE(attr.st_mode)
@@ -1250,16 +1255,21 @@ class Operations(pyfuse3.Operations):
             h.uid, h.pid = ctx.uid, ctx.pid
         return self._new_fh(h)
 
-    def _writing(self, of: OpenFile, inode: int) -> None:
-        """The first change (write, truncate) to a file open for writing: from now until its
-        writer closes it the file is being written (removed if the daemon dies before that
-        close), and not a block until its last writer closes it. A file opened for writing but not
-        changed stays what it was (a block stays a block)."""
-        if of.written:
-            return
-        of.written = of.changed = True
-        self._unblock(self.index.get(inode))
-        self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
+    def _writing(self, of: OpenFile, inode: int, h: Handle | None) -> None:
+        """A change (write, truncate) to a file open for writing, through handle `h` (None:
+        by path). From the first one on the file is being written, until every descriptor
+        that changed it is closed (removed if the daemon dies before: it may be half
+        written), and not a block until its last writer closes it. A file opened for writing
+        but not changed stays what it was (a block stays a block)."""
+        if h is None:
+            of.unowned = True
+        elif not h.written:
+            h.written = True
+            of.pending += 1
+        if not of.written:
+            of.written = of.changed = True
+            self._unblock(self.index.get(inode))
+            self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
 
     @staticmethod
     def _backing_flags(flags: int) -> int:
@@ -1302,8 +1312,11 @@ class Operations(pyfuse3.Operations):
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
         self._bound()
         fh = self._register(node, fd, writable, ctx)
-        if writable:  # new: marked `writing` from the start
-            self.open_files[node.inode].written = self.open_files[node.inode].changed = True
+        if writable:  # new: indexed as being written from the start, by this handle
+            of = self.open_files[node.inode]
+            of.written = of.changed = True
+            self.handles[fh].written = True
+            of.pending += 1
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
         return fi, self._attrs(node)
@@ -1352,7 +1365,7 @@ class Operations(pyfuse3.Operations):
         fh = self._register(node, fd, writable, ctx)
         if truncate:
             of = self.open_files[inode]
-            self._writing(of, inode)  # marked before the backing file changes
+            self._writing(of, inode, self.handles[fh])  # marked before the file changes
             try:
                 await self._io(os.ftruncate, fd, 0)
             except BaseException:
@@ -1436,7 +1449,7 @@ class Operations(pyfuse3.Operations):
             # Account before the await, so that concurrent writes see each other's growth.
             self.stats.account(h.key, 0, growth)
             of.size += growth
-        self._writing(of, h.inode)
+        self._writing(of, h.inode, h)
         n = 0
         try:
             n = await self._io(os.pwrite, h.fd, buf, off)
@@ -1461,12 +1474,15 @@ class Operations(pyfuse3.Operations):
         if h.writable:
             self._persist(h.inode)
             of = self.open_files.get(h.inode)
-            if of is not None and of.written:
+            if of is not None and h.written:
                 # close(2) returned to a writer: what it wrote is complete as far as it knows,
-                # so a daemon that dies before the (asynchronous) release must not remove it.
-                # A later write through another descriptor marks it again.
-                of.written = False
-                self.index.update(h.inode, writing=0)
+                # so a daemon that dies before the (asynchronous) release must not remove it,
+                # unless another descriptor has changed it too. A later change marks it again.
+                h.written = False
+                of.pending -= 1
+                if of.written and not of.pending and not of.unowned:
+                    of.written = False
+                    self.index.update(h.inode, writing=0)
 
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -1492,13 +1508,19 @@ class Operations(pyfuse3.Operations):
             of = self.open_files[h.inode]
             of.handles -= 1
             changed = of.changed
+            if h.written:  # closed without a flush: what it changed is no longer pending
+                of.pending -= 1
+                if of.written and not of.pending and not of.unowned:
+                    of.written = False
+                    self.index.update(h.inode, writing=0)
             if h.writable:
                 of.writers -= 1
                 if of.writers == 0:
                     if changed:
                         self._persist(h.inode)
                         self.index.update(h.inode, writing=0)
-                    of.dirty = of.written = of.changed = False
+                    of.dirty = of.written = of.changed = of.unowned = False
+                    of.pending = 0
             if of.handles == 0:
                 del self.open_files[h.inode]
         if h.writable and of.writers == 0 and changed:

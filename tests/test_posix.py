@@ -474,13 +474,20 @@ def test_sigkill_keeps_files_opened_but_not_written(mount, tenant):
     block = ns / hashing.block_relpath(h)
     block.parent.mkdir()
     block.write_bytes(data)
-    (ns / "opened").write_bytes(b"complete")
-    (ns / "written").write_bytes(b"complete")
+    for name in ("opened", "written", "closed", "two"):
+        (ns / name).write_bytes(b"complete")
     holder = subprocess.Popen(
         ["python3", "-c", f"import time\na=open({str(ns / 'opened')!r},'r+b')\n"
                           f"b=open({str(block)!r},'r+b')\n"
                           f"c=open({str(ns / 'written')!r},'r+b')\n"
-                          "c.write(b'X'); c.flush()\nprint('ok', flush=True)\ntime.sleep(60)"],
+                          "c.write(b'X'); c.flush()\n"
+                          # written and closed, while another descriptor is open, unwritten
+                          f"d=open({str(ns / 'closed')!r},'r+b')\n"
+                          f"e=open({str(ns / 'closed')!r},'r+b'); e.write(b'C'); e.close()\n"
+                          # written through two descriptors, one of them still open
+                          f"f=open({str(ns / 'two')!r},'r+b'); f.write(b'T'); f.flush()\n"
+                          f"g=open({str(ns / 'two')!r},'r+b'); g.write(b'U'); g.close()\n"
+                          "print('ok', flush=True)\ntime.sleep(60)"],
         stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "ok"
     os.kill(mount.pid(), 9)
@@ -492,6 +499,8 @@ def test_sigkill_keeps_files_opened_but_not_written(mount, tenant):
     assert block.read_bytes() == data
     assert os.getxattr(block, "user.kvfs.block_hash") == h.hex().encode()
     assert not (ns / "written").exists()
+    assert (ns / "closed").read_bytes() == b"Complete"
+    assert not (ns / "two").exists()
 
 
 def test_fsck_reconciles_backing_changes(mount, tenant):
