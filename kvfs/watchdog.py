@@ -17,7 +17,8 @@ control filesystem (every request waiting on it fails, the stuck thread gets its
 daemon's process ends) and, once the daemon is gone, detaches the dead mount so that the
 mount point can be mounted again (the next mount reconciles the index as after any crash).
 
-Run as `python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MAJOR:MINOR` with the pipe on stdin.
+Run as `python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MOUNT_ID:MAJOR:MINOR` with the pipe on
+stdin.
 Standard library only: it must start fast and never depend on the daemon's state.
 """
 
@@ -69,15 +70,15 @@ def clean_stop(wfd: int | None) -> None:
 
 
 def mount_device(mountpoint: str) -> str | None:
-    """MAJOR:MINOR of the newest mount at `mountpoint` (from /proc/self/mountinfo: a stat
-    of the mount point would be a request to a daemon that may be dead)."""
+    """MOUNT_ID:MAJOR:MINOR of the newest mount at `mountpoint` (from /proc/self/mountinfo:
+    a stat of the mount point would be a request to a daemon that may be dead)."""
     dev = None
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) > 4 and fields[4] == mountpoint:
-                    dev = fields[2]
+                    dev = f"{fields[0]}:{fields[2]}"
     except OSError:
         return None
     return dev
@@ -119,7 +120,7 @@ def _abort(dev: str) -> bool:
     try:
         if not os.listdir(CONNECTIONS):
             libc.mount(b"fusectl", CONNECTIONS.encode(), b"fusectl", 0, None)
-        with open(f"{CONNECTIONS}/{dev.split(':')[1]}/abort", "w") as f:
+        with open(f"{CONNECTIONS}/{dev.split(':')[2]}/abort", "w") as f:
             f.write("1")
     except OSError as exc:
         _say(f"cannot abort the connection {dev}: {exc}")
@@ -167,7 +168,7 @@ def watch(daemon: int, mountpoint: str, dev: str) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        print("usage: python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MAJOR:MINOR",
+        print("usage: python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MOUNT_ID:MAJOR:MINOR",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(watch(int(sys.argv[1]), sys.argv[2], sys.argv[3]))
