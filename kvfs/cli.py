@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -35,8 +36,12 @@ class CliError(Exception):
 def _private_log(path: str) -> None:
     """Create (or restrict) a daemon log as readable by its owner (root) alone: it names
     every tenant's files."""
-    os.close(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600))
-    os.chmod(path, 0o600)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # (not a terminal or /dev/stderr)
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
 
 
 def _setup_logging(log_file: str | None, debug: bool) -> None:
