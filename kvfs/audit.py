@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 import time
 from typing import Any
 
@@ -25,6 +26,8 @@ class Audit:
     def __init__(self, path: str) -> None:
         self.path = path
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if stat.S_ISREG(os.fstat(self._fd).st_mode):
+            os.fchmod(self._fd, 0o600)  # who did what to which tenant: for root's eyes only
         self._pending: list[str] = []
 
     def record(self, *, uid: int, pid: int, tenant: str, model: str, op: str, path: str,

@@ -3,9 +3,11 @@
 Pure arithmetic and parsing; the Operations carry the decisions out. The hot tier has a byte
 capacity with a high and a low watermark: crossing the high mark wakes background eviction,
 which frees down to the low mark; a write that would cross the capacity itself first evicts
-synchronously, and gets ENOSPC only when nothing evictable is left. A tenant's quota works the
-same way on that tenant's own files (EDQUOT). Retention (maximum idle time, maximum age) is
-per tenant.
+synchronously. A request decides first whether it can fit at all, and is refused at once
+(EFBIG, ENOSPC, EDQUOT) with nothing evicted when it cannot. A tenant's quota works the same
+way on that tenant's own files (EDQUOT). One tenant's growth takes other tenants' files only
+down to their fair share (`fair_shares`, `room_order`). Retention (maximum idle time, maximum
+age) is per tenant.
 """
 
 from __future__ import annotations
@@ -89,3 +91,53 @@ def quota_overflow(limits: Limits | None, tenant_used: int, growth: int) -> int:
     if limits is None or limits.quota is None or growth <= 0:
         return 0
     return max(0, tenant_used + growth - limits.quota)
+
+
+#: "No limit" in a room order: a growing tenant may evict any of its own evictable files.
+UNLIMITED = 1 << 62
+
+
+def fair_shares(usage: dict[int, int], capacity: int, quotas: dict[int, int | None],
+                grower: int | None = None) -> dict[int, int]:
+    """Each tenant's fair share of the capacity: an equal part among the tenants that hold
+    bytes in the hot tier (and `grower`, the tenant about to grow), never more than its
+    quota. The shares add up to the capacity at most, so a tenant below its share can always
+    be given room from the files of the tenants above theirs."""
+    active = {t for t, b in usage.items() if b > 0}
+    if grower is not None:
+        active.add(grower)
+    if not active:
+        return {}
+    equal = capacity // len(active)
+    out = {}
+    for t in active:
+        quota = quotas.get(t)
+        out[t] = equal if quota is None else min(equal, quota)
+    return out
+
+
+def room_order(usage: dict[int, int], shares: dict[int, int], grower: int | None,
+               need: int) -> list[tuple[int, int, int]]:
+    """Whose files capacity eviction may take, in order: [(tenant, bytes wanted, bytes at
+    most)].
+
+    First the tenants above their fair share, furthest above first, each down to its share
+    and never below it (a file that would take it below is not taken). Then, when a tenant
+    grows (`grower`), its own files, without limit: one tenant's growth never takes another
+    tenant below its share. Without a grower (background eviction to the low watermark),
+    what is still needed is then taken from every tenant in proportion to what it holds, so
+    that no tenant is emptied for the others."""
+    over = {t: usage.get(t, 0) - s for t, s in shares.items()}
+    order = [(t, o, o) for t, o in sorted(over.items(), key=lambda kv: (-kv[1], kv[0]))
+             if o > 0]
+    if grower is not None:
+        order.append((grower, UNLIMITED, UNLIMITED))
+        return order
+    left = need - sum(o for _, o, _ in order)
+    after = {t: usage.get(t, 0) - max(over.get(t, 0), 0) for t in usage}
+    total = sum(b for b in after.values() if b > 0)
+    if left > 0 and total > 0:
+        for t, b in sorted(after.items(), key=lambda kv: (-kv[1], kv[0])):
+            if b > 0:
+                order.append((t, min(b, -(-left * b // total)), UNLIMITED))
+    return order

@@ -10,6 +10,7 @@ import argparse
 import json
 import logging
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -32,9 +33,24 @@ class CliError(Exception):
         self.code = code
 
 
+def _private_log(path: str) -> None:
+    """Create (or restrict) a daemon log as readable by its owner (root) alone: it names
+    every tenant's files."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # (not a terminal or /dev/stderr)
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
 def _setup_logging(log_file: str | None, debug: bool) -> None:
     handler: logging.Handler
-    handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
+    if log_file:
+        _private_log(log_file)
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%d %H:%M:%S"))
@@ -105,7 +121,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise CliError(f"backing directory {opts.backing} does not exist")
     if not os.path.isdir(opts.mountpoint):
         raise CliError(f"mount point {opts.mountpoint} is not a directory")
-    os.makedirs(os.path.dirname(os.path.abspath(log_file)), exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
+    _private_log(log_file)
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "kvfs.cli", "mount", opts.backing, opts.mountpoint,
            "--foreground", "--ready-fd", str(wfd), "--log", log_file]

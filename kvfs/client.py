@@ -618,7 +618,7 @@ class KVCache:
                 try:
                     self._command(control.PUBLISH, control.pack_hashes(batch))
                 except OSError as exc:
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                         raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
                                         "(the refused files were removed)", self.ns_dir) from None
                     raise

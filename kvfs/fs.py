@@ -31,7 +31,7 @@ from pyfuse3 import FUSEError
 
 from . import __version__, blockfile, control, fsck, hashing
 from .audit import Audit
-from .capacity import Budget, Limits, quota_overflow
+from .capacity import UNLIMITED, Budget, Limits, fair_shares, quota_overflow, room_order
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .policy import DEFAULT_POLICY, Policy, policy_by_name
 from .stats import Key, Stats
@@ -106,6 +106,10 @@ class OpenFile:
 
     handles: int = 0
     writers: int = 0
+    written: bool = False  # marked `writing`: changed through a descriptor not closed yet
+    pending: int = 0  # handles that changed it since their last flush
+    unowned: bool = False  # changed by a request of no handle (truncate by path): until the end
+    changed: bool = False  # changed since its first writer opened it: checked at the last close
     size: int = 0
     mtime_ns: int = 0
     dirty: bool = False
@@ -123,7 +127,23 @@ class Handle:
     nread: int = 0
     nwritten: int = 0
     next_off: int = 0  # where a sequential reader reads next
+    written: bool = False  # changed the file since its last flush
     ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
+
+
+@dataclass(slots=True)
+class Plan:
+    """Files chosen to make room, not evicted yet."""
+
+    nodes: list[Node] = field(default_factory=list)
+    from_policy: list[tuple[Node, Hashable]] = field(default_factory=list)  # taken out of it
+    skip: set[int] = field(default_factory=set)  # inodes not to choose (chosen, or growing)
+
+    def take(self, node: Node, key: Hashable | None = None) -> None:
+        self.nodes.append(node)
+        self.skip.add(node.inode)
+        if key is not None:
+            self.from_policy.append((node, key))
 
 
 @dataclass
@@ -279,11 +299,13 @@ class Operations(pyfuse3.Operations):
         p = self.policies.get(tenant)
         return self.stats.tenant_files(tenant) - (len(p) if p is not None else 0)
 
-    def _cold_victims(self, tenant: int, need: int, chosen: list[Node], cold: int) -> int:
-        """Choose cold files of a tenant, least recently accessed first, until `need` bytes;
-        returns the bytes chosen. Files the policy holds are skipped: it orders those. A scan
-        that runs out remembers how many cold files it could not take (`_cold_floor`), so
-        that the next eviction does not scan the tenant's files again for nothing."""
+    def _cold_victims(self, tenant: int, need: int, plan: Plan, cold: int,
+                      limit: int = UNLIMITED) -> int:
+        """Choose cold files of a tenant, least recently accessed first, until `need` bytes
+        (and no more than `limit`); returns the bytes chosen. Files the policy holds are
+        skipped: it orders those. A scan that runs out remembers how many cold files it could
+        not take (`_cold_floor`), so that the next eviction does not scan the tenant's files
+        again for nothing."""
         policy = self.policies.get(tenant)
         freed, after, taken = 0, (-1, 0), 0
         while freed < need:
@@ -294,10 +316,12 @@ class Operations(pyfuse3.Operations):
             for node in rows:
                 after = (node.atime_ns, node.inode)
                 if (node.inode in self.open_files or node.inode in self.evicting
-                        or self._is_manifest(node)
+                        or node.inode in plan.skip or self._is_manifest(node)
                         or (policy is not None and self._pkey(node) in policy)):
                     continue
-                chosen.append(node)
+                if freed + node.size > limit:
+                    return freed
+                plan.take(node)
                 taken += 1
                 freed += node.size
                 if freed >= need:
@@ -522,57 +546,108 @@ class Operations(pyfuse3.Operations):
             except Exception:
                 log.exception("retention scan failed")
 
-    def _victims(self, need: int, tenant: int | None) -> list[Node]:
-        """Choose files to evict that free at least `need` bytes (fewer if there are not
-        enough). Without a tenant, take from the tenant furthest over its share first."""
-        chosen: list[Node] = []
+    def _tenant_victims(self, t: int, need: int, plan: Plan, limit: int = UNLIMITED) -> int:
+        """Choose files of tenant `t` worth at least `need` bytes into `plan` (fewer if it has
+        not enough evictable, and never more than `limit`); returns the bytes chosen. Cold
+        files go first, then the policy's victims in its order; each leaves the policy at
+        once, so that its parent may become the next victim (`_undo` puts them back)."""
         freed = 0
-        tenants = [tenant] if tenant is not None else sorted(
-            set(self.policies) | {t for t, _ in self.stats.by_ns},
-            key=lambda t: -self._pressure(t))
-        for t in tenants:
-            cold = self._cold(t)
-            # Files without policy state go first, unless a scan has just found that the
-            # cold files left cannot be evicted (pinned, open, a manifest).
-            floor = self._cold_floor[t] = min(self._cold_floor.get(t, 0), cold)
-            if cold > floor:
-                freed += self._cold_victims(t, need - freed, chosen, cold)
-                if freed >= need:
-                    break
-            policy = self.policies.get(t)
-            if policy is None:
+        cold = self._cold(t)
+        # Files without policy state go first, unless a scan has just found that the
+        # cold files left cannot be evicted (pinned, open, a manifest).
+        floor = self._cold_floor[t] = min(self._cold_floor.get(t, 0), cold)
+        if cold > floor:
+            freed += self._cold_victims(t, need, plan, cold, limit)
+            if freed >= need or freed >= limit:
+                return freed
+        policy = self.policies.get(t)
+        if policy is None:
+            return freed
+        stale = []
+        offered = policy.victims()
+        for key in offered:
+            inode = self._inode_of(key)
+            if inode in self.open_files or inode in self.evicting or inode in plan.skip:
+                continue  # being read or written (or the file that grows): never evicted
+            node = self.index.find(inode) if inode is not None else None
+            if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
+                stale.append(key)
                 continue
-            stale = []
-            offered = policy.victims()
-            for key in offered:
-                inode = self._inode_of(key)
-                if inode in self.open_files or inode in self.evicting:
-                    continue  # being read or written: never evicted
-                node = self.index.find(inode) if inode is not None else None
-                if node is None or node.parent == ORPHAN_PARENT or not node.is_reg or node.tier:
-                    stale.append(key)
-                    continue
-                if self._is_manifest(node):
-                    continue  # kept, and kept in the policy (not made cold)
-                # Out of the policy at once, so that its parent may become the next victim.
-                policy.remove(key)
-                chosen.append(node)
-                freed += node.size
-                if freed >= need:
-                    break
-            offered.close()
-            for key in stale:
-                policy.remove(key)
+            if self._is_manifest(node):
+                continue  # kept, and kept in the policy (not made cold)
+            if freed + node.size > limit:
+                break
+            policy.remove(key)
+            plan.take(node, key)
+            freed += node.size
             if freed >= need:
                 break
-        return chosen
+        offered.close()
+        for key in stale:
+            policy.remove(key)
+        return freed
 
-    def _pressure(self, tenant: int) -> float:
-        used = self.stats.tenant_bytes(tenant)
-        limits = self.limits.get(tenant)
-        share = limits.quota if limits is not None and limits.quota else (
-            self.info.capacity or 1)
-        return used / share
+    def _tenant_usage(self) -> dict[int, int]:
+        usage: dict[int, int] = {}
+        for (t, _), c in self.stats.by_ns.items():
+            if t:
+                usage[t] = usage.get(t, 0) + c.bytes
+        return usage
+
+    def _room_victims(self, plan: Plan, need: int, grower: int | None,
+                      usage: dict[int, int]) -> int:
+        """Choose files worth `need` bytes of capacity under the fair-share rule
+        (`capacity.room_order`); returns the bytes chosen."""
+        quotas = {t: lim.quota for t, lim in self.limits.items()}
+        shares = fair_shares(usage, self.info.capacity or 0, quotas, grower)
+        freed = 0
+        for t, want, limit in room_order(usage, shares, grower, need):
+            freed += self._tenant_victims(t, min(need - freed, want), plan, limit)
+            if freed >= need:
+                break
+        return freed
+
+    def _victims(self, need: int, tenant: int | None) -> list[Node]:
+        """Choose files to evict that free at least `need` bytes (fewer if there are not
+        enough): a tenant's own, or (background eviction) under the fair-share rule."""
+        plan = Plan()
+        if tenant is not None:
+            self._tenant_victims(tenant, need, plan)
+        else:
+            self._room_victims(plan, need, None, self._tenant_usage())
+        return plan.nodes
+
+    def _plan_room(self, tenant: int, growth: int, exclude: int | None) -> Plan:
+        """What must go before `tenant` grows by `growth` bytes, chosen but not yet evicted:
+        its own files past its quota, then files under the fair-share rule past the
+        capacity. A growth that cannot fit is refused here (EDQUOT, ENOSPC), with the choice
+        undone: nothing is evicted for a request that fails anyway."""
+        plan = Plan()
+        if exclude is not None:
+            plan.skip.add(exclude)
+        usage = self._tenant_usage()
+        used = sum(usage.values())
+        over = quota_overflow(self.limits.get(tenant), usage.get(tenant, 0), growth)
+        if over:
+            got = self._tenant_victims(tenant, over, plan)
+            if got < over:
+                self._undo(plan)
+                raise FUSEError(errno.EDQUOT)
+            usage[tenant] = usage.get(tenant, 0) - got
+            used -= got
+        over = self.budget.overflow(used, growth)
+        if over and self._room_victims(plan, over, tenant, usage) < over:
+            self._undo(plan)
+            raise FUSEError(errno.ENOSPC)
+        return plan
+
+    def _undo(self, plan: Plan) -> None:
+        """Put files chosen for a plan that will not run back into their policies."""
+        for node, key in plan.from_policy:
+            p = self._policy(node.tenant)
+            p.insert(key, node.size, parent=self._parent_key(node), now=time.time())
+            if node.pinned:
+                p.pin(key, True)
 
     async def evict(self, need: int, tenant: int | None = None, reason: str = "evicted") -> int:
         """Evict files worth at least `need` bytes; returns the bytes freed."""
@@ -675,22 +750,32 @@ class Operations(pyfuse3.Operations):
                     parents.add(node.parent)
             dirs = parents
 
-    async def _make_room(self, node: Node, growth: int) -> None:
-        """Before a file of `node`'s tenant grows by `growth` bytes: evict to make it fit,
-        or refuse with EDQUOT (tenant quota) or ENOSPC (capacity)."""
+    async def _make_room(self, node: Node, growth: int, size: int | None = None,
+                         exclude: int | None = None) -> None:
+        """Before a file of `node`'s tenant grows by `growth` bytes (to `size` bytes, when
+        one file grows): decide whether it can fit at all, then evict what that takes.
+
+        Refused at once, with nothing evicted and nothing changed: EFBIG when the size itself
+        can never fit (more than the capacity), EDQUOT when it passes the tenant's quota and
+        its own evictable files cannot make up the difference, ENOSPC when the capacity
+        cannot be freed under the fair-share rule. `exclude` (the file that grows) is never
+        chosen to make room for itself."""
         if growth <= 0:
             return
         tenant = node.tenant
-        over = quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth)
-        if over:
-            await self.evict(over, tenant)
-            if quota_overflow(self.limits.get(tenant), self.stats.tenant_bytes(tenant), growth):
-                raise FUSEError(errno.EDQUOT)
-        over = self.budget.overflow(self.stats.used_bytes, growth)
-        if over:
-            await self.evict(over)
-            if self.budget.overflow(self.stats.used_bytes, growth):
-                raise FUSEError(errno.ENOSPC)
+        cap, limits = self.info.capacity, self.limits.get(tenant)
+        whole = growth if size is None else size
+        if cap is not None and whole > cap:
+            raise FUSEError(errno.EFBIG)
+        if limits is not None and limits.quota is not None and whole > limits.quota:
+            raise FUSEError(errno.EDQUOT)
+        for _ in range(4):  # again when other requests took the room freed meanwhile
+            plan = self._plan_room(tenant, growth, exclude)
+            if not plan.nodes:
+                break
+            await self._remove_files(plan.nodes, "evicted")
+        else:
+            raise FUSEError(errno.ENOSPC)
         if self.budget.excess(self.stats.used_bytes + growth):
             self._wake_evictor()
 
@@ -754,7 +839,13 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = ENTRY_TIMEOUT
         a.attr_timeout = ENTRY_TIMEOUT
         a.st_mode = node.mode
-        a.st_nlink = 1
+        if node.parent == ORPHAN_PARENT:
+            a.st_nlink = 0  # unlinked, still open (or still known to the kernel)
+        elif node.is_dir:
+            # 2 + subdirectories, as POSIX tools (find) expect; the root also holds .kvfs/.
+            a.st_nlink = 2 + self.index.subdirs(node.inode) + (node.inode == ROOT_INODE)
+        else:
+            a.st_nlink = 1
         a.st_uid = node.uid
         a.st_gid = node.gid
         a.st_rdev = 0
@@ -776,7 +867,7 @@ class Operations(pyfuse3.Operations):
         a.st_ino = inode
         a.entry_timeout = a.attr_timeout = 0
         a.st_mode = (stat.S_IFDIR | 0o555) if inode == VDIR else (stat.S_IFREG | 0o444)
-        a.st_nlink = 1
+        a.st_nlink = 2 if inode == VDIR else 1
         a.st_blksize = 4096
         t = int(self.info.started * 1e9)
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
@@ -844,13 +935,24 @@ class Operations(pyfuse3.Operations):
                 policy.remove(self._pkey(node))
             self.stats.account(self._key(node), -1, -self._size_of(node))
 
+    def _dir_changed(self, *inodes: int) -> None:
+        """Entries were added to, removed from or renamed in these directories: their mtime
+        and ctime are now, as the backing directories' are."""
+        now = time.time_ns()
+        for inode in set(inodes):
+            if inode != ORPHAN_PARENT:
+                self.index.update(inode, mtime_ns=now, ctime_ns=now)
+
     def _drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
+        self._dir_changed(node.parent)
         self._unaccount(node)
         if node.is_dir:
             self._dir_paths.pop(node.inode, None)
             if node.inode == node.tenant:
                 self.stats.drop_tenant(node.inode)
+            elif node.inode == node.ns:
+                self.stats.fold_namespace(node.tenant, node.inode)
         if self.lookups.get(node.inode) or node.inode in self.open_files:
             self.index.orphan(node.inode)
             self.orphans.add(node.inode)
@@ -955,6 +1057,7 @@ class Operations(pyfuse3.Operations):
         found = self.index.lookup(ns_node.inode, name)
         if found is not None:
             return found
+        self._dir_changed(ns_node.inode)
         return self.index.insert(parent=ns_node.inode, name=name, mode=stat.S_IFDIR | mode,
                                  uid=ns_node.uid, gid=ns_node.gid, tenant=ns_node.tenant,
                                  ns=ns_node.ns)
@@ -983,7 +1086,7 @@ class Operations(pyfuse3.Operations):
         if current is not None and not current.tier:
             return current  # another request placed it meanwhile
         try:
-            await self._make_room(dnode, got.size)
+            await self._make_room(dnode, got.size, got.size)
         except FUSEError:
             await self._io(self.store.unlink_many, [rel])
             return None
@@ -1034,11 +1137,17 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
             if attr.st_size < 0:
                 raise FUSEError(errno.EINVAL)
-            await self._make_room(node, attr.st_size - self._size_of(node))
+            await self._make_room(node, attr.st_size - self._size_of(node), attr.st_size,
+                                  exclude=inode)
             kwargs["size"] = attr.st_size
             h = self.handles.get(fh) if fh is not None else None
             if h is not None and h.fd >= 0 and h.writable:
                 kwargs["fd"] = h.fd
+            else:
+                h = None
+            of = self.open_files.get(inode)
+            if of is not None and of.writers:
+                self._writing(of, inode, h)
         if fields.update_mode:
             changes["mode"] = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
             kwargs["mode"] = stat.S_IMODE(attr.st_mode)
@@ -1129,6 +1238,7 @@ class Operations(pyfuse3.Operations):
         tenant, ns = self._child_place(parent, stat.S_IFDIR)
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFDIR | mode,
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns)
+        self._dir_changed(parent.inode)
         self._audit(ctx.uid, ctx.pid, node, "mkdir", path=path)
         self._ref(node.inode)
         return self._attrs(node)
@@ -1169,13 +1279,26 @@ class Operations(pyfuse3.Operations):
             if of.writers == 1:
                 of.dirty = True
                 of.size = node.size
-                # Being written: not a block any more until its last writer closes it.
-                self._unblock(node)
-                self.index.update(node.inode, writing=1, block_hash=None, parent_hash=None)
         h = Handle(node.inode, fd, writable, self._key(node))
         if ctx is not None:
             h.uid, h.pid = ctx.uid, ctx.pid
         return self._new_fh(h)
+
+    def _writing(self, of: OpenFile, inode: int, h: Handle | None) -> None:
+        """A change (write, truncate) to a file open for writing, through handle `h` (None:
+        by path). From the first one on the file is being written, until every descriptor
+        that changed it is closed (removed if the daemon dies before: it may be half
+        written), and not a block until its last writer closes it. A file opened for writing
+        but not changed stays what it was (a block stays a block)."""
+        if h is None:
+            of.unowned = True
+        elif not h.written:
+            h.written = True
+            of.pending += 1
+        if not of.written:
+            of.written = of.changed = True
+            self._unblock(self.index.get(inode))
+            self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
 
     @staticmethod
     def _backing_flags(flags: int) -> int:
@@ -1198,17 +1321,32 @@ class Operations(pyfuse3.Operations):
         # fill pages.
         if accmode != os.O_RDONLY:
             bflags = (bflags & ~os.O_ACCMODE) | os.O_RDWR
-        fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid,
-                            tenant=parent.tenant)
         tenant, ns = self._child_place(parent, stat.S_IFREG)
         writable = accmode != os.O_RDONLY
+        # Indexed (as being written) before the backing file exists: a daemon that dies in
+        # between leaves a row that the next mount removes, never a stray empty file.
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
-                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns,
-                                 writing=int(writable))
+                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns, writing=1)
+        try:
+            fd = await self._io(self.store.create, path, bflags, mode, ctx.uid, gid,
+                                tenant=parent.tenant)
+        except BaseException:
+            current = self.index.find(node.inode)
+            if current is not None and current.parent != ORPHAN_PARENT:
+                self.index.delete(node.inode)
+            raise
+        if not writable:
+            self.index.update(node.inode, writing=0)
+        self._dir_changed(parent.inode)
         self.stats.account(self._key(node), 1, 0)
         self._policy(node.tenant).insert(node.inode, 0, now=time.time())  # no block yet
         self._bound()
         fh = self._register(node, fd, writable, ctx)
+        if writable:  # new: indexed as being written from the start, by this handle
+            of = self.open_files[node.inode]
+            of.written = of.changed = True
+            self.handles[fh].written = True
+            of.pending += 1
         self._ref(node.inode)
         fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
         return fi, self._attrs(node)
@@ -1228,7 +1366,10 @@ class Operations(pyfuse3.Operations):
         if inode in (VSTATS, VVERSION):
             if flags & os.O_ACCMODE != os.O_RDONLY:
                 raise FUSEError(errno.EACCES)
-            content = self._stats_json() if inode == VSTATS else f"{__version__}\n".encode()
+            if inode == VSTATS:
+                content = self._stats_json(await self._visible_tenants(ctx))
+            else:
+                content = f"{__version__}\n".encode()
             return pyfuse3.FileInfo(fh=self._new_fh(Handle(inode, content=content)),
                                     direct_io=True, keep_cache=False)
         node = self.index.get(inode)
@@ -1251,18 +1392,18 @@ class Operations(pyfuse3.Operations):
         truncate = writable and bool(flags & os.O_TRUNC)
         fd = await self._io(self.store.open, self._path(node), bflags, tenant=node.tenant)
         node = self.index.get(inode)
+        fh = self._register(node, fd, writable, ctx)
         if truncate:
+            of = self.open_files[inode]
+            self._writing(of, inode, self.handles[fh])  # marked before the file changes
             try:
                 await self._io(os.ftruncate, fd, 0)
             except BaseException:
-                os.close(fd)
+                await self.release(fh)
                 raise
-        fh = self._register(node, fd, writable, ctx)
-        now = time.time_ns()
-        if truncate:
-            of = self.open_files[inode]
             self.stats.account(self._key(node), 0, -of.size)
-            of.size, of.mtime_ns = 0, now
+            of.size, of.mtime_ns = 0, time.time_ns()
+        now = time.time_ns()
         self.index.update(inode, atime_ns=now)
         self._used(node, now / 1e9)
         if not writable and node.ns:
@@ -1333,10 +1474,12 @@ class Operations(pyfuse3.Operations):
         of = self.open_files[h.inode]
         growth = off + len(buf) - of.size
         if growth > 0:
-            await self._make_room(self.index.get(h.inode), growth)
+            await self._make_room(self.index.get(h.inode), growth, off + len(buf),
+                                  exclude=h.inode)
             # Account before the await, so that concurrent writes see each other's growth.
             self.stats.account(h.key, 0, growth)
             of.size += growth
+        self._writing(of, h.inode, h)
         n = 0
         try:
             n = await self._io(os.pwrite, h.fd, buf, off)
@@ -1352,7 +1495,7 @@ class Operations(pyfuse3.Operations):
 
     def _persist(self, inode: int) -> None:
         of = self.open_files.get(inode)
-        if of is not None and of.dirty:
+        if of is not None and of.dirty and of.changed:
             self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
 
     @handler
@@ -1360,6 +1503,16 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.writable:
             self._persist(h.inode)
+            of = self.open_files.get(h.inode)
+            if of is not None and h.written:
+                # close(2) returned to a writer: what it wrote is complete as far as it knows,
+                # so a daemon that dies before the (asynchronous) release must not remove it,
+                # unless another descriptor has changed it too. A later change marks it again.
+                h.written = False
+                of.pending -= 1
+                if of.written and not of.pending and not of.unowned:
+                    of.written = False
+                    self.index.update(h.inode, writing=0)
 
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -1384,15 +1537,23 @@ class Operations(pyfuse3.Operations):
         finally:
             of = self.open_files[h.inode]
             of.handles -= 1
+            changed = of.changed
+            if h.written:  # closed without a flush: what it changed is no longer pending
+                of.pending -= 1
+                if of.written and not of.pending and not of.unowned:
+                    of.written = False
+                    self.index.update(h.inode, writing=0)
             if h.writable:
                 of.writers -= 1
                 if of.writers == 0:
-                    self._persist(h.inode)
-                    self.index.update(h.inode, writing=0)
-                    of.dirty = False
+                    if changed:
+                        self._persist(h.inode)
+                        self.index.update(h.inode, writing=0)
+                    of.dirty = of.written = of.changed = of.unowned = False
+                    of.pending = 0
             if of.handles == 0:
                 del self.open_files[h.inode]
-        if h.writable and of.writers == 0:
+        if h.writable and of.writers == 0 and changed:
             await self._complete(h.inode)
         self._purge_orphan(h.inode)
 
@@ -1507,6 +1668,7 @@ class Operations(pyfuse3.Operations):
         node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFLNK | 0o777,
                                  uid=ctx.uid, gid=gid, size=len(target), target=target,
                                  tenant=tenant, ns=ns)
+        self._dir_changed(parent.inode)
         self._ref(node.inode)
         return self._attrs(node)
 
@@ -1579,6 +1741,8 @@ class Operations(pyfuse3.Operations):
                     self._drop(target)
                 self.index.move(node.inode, parent_new, name_new)
             self._replace_place(node, new_parent)
+            self._dir_changed(parent_old, parent_new)
+            self.index.update(node.inode, ctime_ns=time.time_ns())
         if node.is_dir or (target is not None and target.is_dir):
             self._forget_dir_paths()
         if node.is_reg and node.inode not in self.open_files and (
@@ -1837,7 +2001,8 @@ class Operations(pyfuse3.Operations):
         if dropped:
             await self._io(self.store.unlink_many, dropped)
         try:
-            await self._make_room(dnode, sum(st.st_size for _, _, _, st in fresh))
+            sizes = [st.st_size for _, _, _, st in fresh]
+            await self._make_room(dnode, sum(sizes), max(sizes, default=0))
         except FUSEError:
             # Nothing is left behind by a write that cannot be placed.
             await self._io(self.store.unlink_many, [rel for _, rel, _, _ in fresh])
@@ -1845,6 +2010,7 @@ class Operations(pyfuse3.Operations):
         dnode = self.index.get(dnode.inode)
         key = self._key(dnode)
         c = self.stats.by_ns[key]
+        changed: set[int] = set()  # directories with new entries
         with self.index.transaction():
             for h, _rel, hdr, st in fresh:
                 fan = h[:1].hex().encode()
@@ -1853,6 +2019,7 @@ class Operations(pyfuse3.Operations):
                     fst = fan_stats.get(fan)
                     if fst is None:
                         continue  # no directory when listed (a link then): not indexed
+                    changed.add(dnode.inode)
                     fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
                                               uid=fst.st_uid, gid=fst.st_gid,
                                               tenant=dnode.tenant, ns=dnode.ns)
@@ -1862,6 +2029,7 @@ class Operations(pyfuse3.Operations):
                 node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
                                          uid=st.st_uid, gid=st.st_gid, size=st.st_size,
                                          tenant=dnode.tenant, ns=dnode.ns)
+                changed.add(fnode.inode)
                 self.index.update(node.inode, block_hash=hdr.block_hash,
                                   parent_hash=hdr.parent_hash)
                 self._cache_block(node)
@@ -1869,6 +2037,7 @@ class Operations(pyfuse3.Operations):
                 self.stats.account(key, 1, st.st_size)
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
+            self._dir_changed(*changed)
 
     async def _fetch_many(self, dnode: Node, hashes: list[bytes],
                           budget: float | None = None) -> None:
@@ -2002,10 +2171,29 @@ class Operations(pyfuse3.Operations):
                 out[inode] = node.name.decode(errors="replace")
         return out
 
-    def snapshot(self) -> dict[str, Any]:
-        """Everything `.kvfs/stats.json` shows."""
+    async def _visible_tenants(self, ctx: Any) -> set[int] | None:
+        """The tenants whose counters a caller may see: those whose directory it may enter
+        (search permission, by its uid, gid and supplementary groups); None (all) for root
+        and the mount's owner. Model names and usage are the tenant's data too."""
+        if ctx.uid in (0, self.owner_uid):
+            return None
+        groups = {ctx.gid} | await self._io(_groups_of, ctx.pid)
+        out = set()
+        for t in self.index.tenants():
+            if t.uid == ctx.uid:
+                bit = stat.S_IXUSR
+            elif t.gid in groups:
+                bit = stat.S_IXGRP
+            else:
+                bit = stat.S_IXOTH
+            if t.mode & bit:
+                out.add(t.inode)
+        return out
+
+    def snapshot(self, tenants: set[int] | None = None) -> dict[str, Any]:
+        """Everything `.kvfs/stats.json` shows; the counters of `tenants` only (None: all)."""
         keys = set(self.stats.by_ns)
-        names = self.names_of({t for t, _ in keys} | {n for _, n in keys if n})
+        names = self.names_of({t for t, _ in keys} | {n for _, n in keys if n > 0})
         return {
             "version": __version__,
             "pid": self.info.pid,
@@ -2020,7 +2208,7 @@ class Operations(pyfuse3.Operations):
             # cold: cached, known to the index only, evicted first.
             "policy": {"name": self.info.policy, "entries_limit": self.info.policy_entries,
                        "entries": sum(len(p) for p in self.policies.values())},
-            "tenants": self.stats.render(names),
+            "tenants": self.stats.render(names, tenants),
             "tiers": self._tiers_snapshot(),
             # A tree adopted at its first mount until every directory is indexed: usage and
             # eviction see only what is indexed so far.
@@ -2037,5 +2225,17 @@ class Operations(pyfuse3.Operations):
             t["known_files"], t["known_bytes"] = known.get(i, (0, 0))
         return out
 
-    def _stats_json(self) -> bytes:
-        return json.dumps(self.snapshot(), indent=2, sort_keys=True).encode() + b"\n"
+    def _stats_json(self, tenants: set[int] | None = None) -> bytes:
+        return json.dumps(self.snapshot(tenants), indent=2, sort_keys=True).encode() + b"\n"
+
+
+def _groups_of(pid: int) -> set[int]:
+    """Thread: the supplementary groups of a process (none if it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Groups:"):
+                    return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()

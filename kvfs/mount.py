@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from . import fsck
+from . import fsck, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
@@ -67,8 +67,12 @@ def open_state_dir(backing: str) -> tuple[BackingStore, int]:
         raise MountError(f"backing directory {backing} does not exist")
     store = BackingStore(backing)
     os.makedirs(store.state_dir, mode=0o700, exist_ok=True)
+    # The index, the log and the quarantine hold every tenant's names, sizes and hashes:
+    # root's alone, also in a state directory an older version made world-readable.
+    os.chmod(store.state_dir, 0o700)
     lock_fd = os.open(os.path.join(store.state_dir, LOCK_NAME.encode()),
                       os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.fchmod(lock_fd, 0o600)
     try:
         fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -83,7 +87,19 @@ def open_state_dir(backing: str) -> tuple[BackingStore, int]:
 
 
 def open_index(store: BackingStore) -> Index:
-    return Index(os.path.join(os.fsdecode(store.state_dir), INDEX_NAME))
+    path = os.path.join(os.fsdecode(store.state_dir), INDEX_NAME)
+    index = Index(path)
+    for name in (path, path + "-wal", path + "-shm"):  # SQLite makes them 0644
+        private(name)
+    return index
+
+
+def private(path: str) -> None:
+    """Make a file of the daemon's readable and writable by its owner (root) alone."""
+    try:
+        os.chmod(path, 0o600)
+    except FileNotFoundError:
+        pass
 
 
 def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
@@ -206,6 +222,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         index.close()
         raise MountError(f"cannot mount {mountpoint}: {exc}") from None
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    # Ends the mount if this process dies without unmounting (see kvfs.watchdog).
+    watch_fd = watchdog.start(mountpoint)
     if ready is not None:
         ready()
     notify("READY=1")
@@ -244,6 +262,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         except OSError as exc:  # already unmounted by fusermount3 -u
             if exc.errno not in (errno.EINVAL, errno.ENOENT):
                 raise
+        watchdog.clean_stop(watch_fd)
         for of_inode in list(ops.open_files):
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
         ops.flush_atimes()

@@ -1,8 +1,10 @@
 """Counters per tenant and model namespace, and their JSON rendering.
 
 Keys are (tenant inode, namespace inode); 0 stands for "none at that level" (a file directly
-in a tenant directory has namespace 0). The daemon updates counters on its event-loop thread
-only, so plain integers suffice.
+in a tenant directory has namespace 0). The counters of a namespace directory that is removed
+are folded into one row per tenant, `REMOVED` (shown as "(removed namespaces)"), so that
+they still count in the tenant's totals and never overwrite one another. The daemon updates
+counters on its event-loop thread only, so plain integers suffice.
 """
 
 from __future__ import annotations
@@ -11,6 +13,10 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 
 Key = tuple[int, int]
+
+#: The namespace key of a tenant's removed namespaces (inodes are never negative).
+REMOVED = -1
+REMOVED_NAME = "(removed namespaces)"
 
 
 @dataclass(slots=True)
@@ -44,6 +50,10 @@ class Counters:
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
+
+    def add(self, other: Counters) -> None:
+        for name in self.__slots__:  # type: ignore[attr-defined]
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 class Stats:
@@ -88,15 +98,33 @@ class Stats:
     def tenant_bytes(self, tenant: int) -> int:
         return sum(c.bytes for (t, _), c in self.by_ns.items() if t == tenant)
 
+    def fold_namespace(self, tenant: int, ns: int) -> None:
+        """A namespace directory was removed: its counters join the tenant's REMOVED row."""
+        c = self.by_ns.pop((tenant, ns), None)
+        if c is not None:
+            self.by_ns[(tenant, REMOVED)].add(c)
+
     def drop_tenant(self, tenant: int) -> None:
         for key in [k for k in self.by_ns if k[0] == tenant]:
             del self.by_ns[key]
 
-    def render(self, names: dict[int, str]) -> dict[str, dict[str, dict[str, int]]]:
-        """{tenant name: {namespace name: counters}}; "" names files above any namespace."""
+    def render(self, names: dict[int, str], tenants: set[int] | None = None
+               ) -> dict[str, dict[str, dict[str, int]]]:
+        """{tenant name: {namespace name: counters}} of `tenants` (None: all); "" names files
+        above any namespace, REMOVED_NAME the removed namespaces. Rows that come out under one
+        name (a namespace whose name is not known any more) are added up, never overwritten."""
         out: dict[str, dict[str, dict[str, int]]] = {}
+        merged: dict[tuple[str, str], Counters] = {}
         for (tenant, ns), c in sorted(self.by_ns.items()):
-            if tenant == 0 or tenant not in names:
+            if tenant == 0 or tenant not in names or (tenants is not None
+                                                      and tenant not in tenants):
                 continue
-            out.setdefault(names[tenant], {})[names.get(ns, "")] = c.as_dict()
+            name = "" if ns == 0 else REMOVED_NAME if ns == REMOVED else names.get(
+                ns, REMOVED_NAME)
+            row = merged.get((names[tenant], name))
+            if row is None:
+                row = merged[(names[tenant], name)] = Counters()
+            row.add(c)
+        for (tenant_name, name), c in merged.items():
+            out.setdefault(tenant_name, {})[name] = c.as_dict()
         return out

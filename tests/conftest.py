@@ -162,3 +162,35 @@ def run_as(uid: int, gid: int, argv: list[str], **kw) -> subprocess.CompletedPro
         os.setuid(uid)
 
     return subprocess.run(argv, capture_output=True, text=True, preexec_fn=drop, **kw)
+
+
+def in_child(uid: int, gid: int, fn, groups: tuple[int, ...] = ()):
+    """Call `fn()` in a forked child running as uid:gid (with these supplementary groups),
+    as a real process of another user would; returns what it returned (JSON-able), or
+    raises the OSError it raised (as an OSError with the same errno)."""
+    import json
+
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(rfd)
+        try:
+            os.setgroups(list(groups))
+            os.setgid(gid)
+            os.setuid(uid)
+            out = {"value": fn()}
+        except OSError as exc:
+            out = {"errno": exc.errno, "error": str(exc)}
+        except BaseException as exc:  # noqa: BLE001 - reported to the parent
+            out = {"failed": repr(exc)}
+        os.write(wfd, json.dumps(out).encode())
+        os._exit(0)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as f:
+        out = json.loads(f.read() or b'{"failed": "no answer"}')
+    os.waitpid(pid, 0)
+    if "errno" in out:
+        raise OSError(out["errno"], out["error"])
+    if "failed" in out:
+        raise AssertionError(f"child failed: {out['failed']}")
+    return out["value"]

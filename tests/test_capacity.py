@@ -210,3 +210,162 @@ def test_capacity_eviction_keeps_the_namespace_manifest(small):
         write(ns / f"f{i}", 200 * K)
     assert small.stats()["tenants"]["t"]["ns"]["evictions"] >= 5
     assert (ns / "manifest.json").read_text() == '{"model": "m"}'
+
+
+def tree(root) -> dict[str, bytes]:
+    """Every regular file below `root` (but `.kvfs/`) and its content."""
+    out = {}
+    for d, dirs, files in os.walk(root):
+        if ".kvfs" in dirs:
+            dirs.remove(".kvfs")
+        for f in files:
+            p = os.path.join(d, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = fh.read()
+    return out
+
+
+def errno_of(uid: int, code: str) -> int:
+    """Run `code` (Python, with `os` at hand) in a child process of uid:gid `uid`; the errno
+    of the OSError it raised, or 0."""
+    pid = os.fork()
+    if pid == 0:
+        status = 0
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            exec(code, {"os": os})
+        except OSError as exc:
+            status = exc.errno or 250
+        except BaseException:
+            status = 251
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    assert code < 250, "the child failed without an OSError"
+    return code
+
+
+@pytest.fixture
+def two(mount_factory):
+    """1 MiB of capacity (no background eviction) shared by tenants a (uid 1000) and b
+    (uid 1001); fair shares: 512 KiB each while both hold bytes."""
+    m = mount_factory(extra=["--capacity", "1M", "--high-watermark", "1",
+                             "--low-watermark", "1"])
+    for name, uid in (("a", 1000), ("b", 1001)):
+        kvfs("tenant", "add", str(m.mnt), name, "--uid", str(uid), "--gid", str(uid))
+    return m
+
+
+def fill(m, tenant: str, uid: int, sizes: list[int]) -> None:
+    for i, size in enumerate(sizes):
+        code = f"open('{m.mnt}/{tenant}/f{i}', 'wb').write(b'{tenant}' * {size})"
+        assert errno_of(uid, code) == 0
+        time.sleep(0.01)  # distinct access times
+
+
+def test_impossible_request_evicts_nothing(two):
+    """A write, truncate or preallocation that can never fit is refused at once with
+    EFBIG, and nothing of any tenant is evicted; one that could fit only by taking other
+    tenants below their fair share is refused with ENOSPC, again evicting nothing."""
+    m = two
+    fill(m, "a", 1000, [200 * K, 200 * K])
+    fill(m, "b", 1001, [200 * K])
+    before = tree(m.mnt)
+    # The issue's case: one byte 2 MiB into a new file, with a capacity of 1 MiB.
+    res = run_as(1001, 1001, ["dd", "if=/dev/zero", f"of={m.mnt}/b/x", "bs=1", "count=1",
+                              "seek=2M", "status=none"])
+    assert res.returncode != 0 and "too large" in res.stderr.lower(), res.stderr
+    # Truncating an existing file past the capacity: refused, the file stays as it was.
+    assert errno_of(1001, f"os.truncate('{m.mnt}/b/f0', 2 << 20)") == errno.EFBIG
+    # 900 KiB more fits the capacity, but only by evicting a's files below a's share.
+    code = f"fd = os.open('{m.mnt}/b/y', os.O_WRONLY | os.O_CREAT)\nos.pwrite(fd, b'y', {900 * K})"
+    assert errno_of(1001, code) == errno.ENOSPC
+    assert errno_of(1001, f"os.truncate('{m.mnt}/b/f0', {900 * K})") == errno.ENOSPC
+    after = tree(m.mnt)
+    after.pop("b/x", None)  # the empty files the refused requests created
+    if after.get("b/y") == b"":
+        after.pop("b/y")
+    assert after == before
+    stats = m.stats()["tenants"]
+    assert all(c["evictions"] == 0 for t in stats.values() for c in t.values())
+    assert m.stats()["used_bytes"] == 600 * K
+
+
+def test_growth_evicts_others_only_down_to_their_share(two):
+    m = two
+    fill(m, "a", 1000, [100 * K] * 7)  # 700 KiB: 188 KiB above its share of 512
+    fill(m, "b", 1001, [100 * K] * 2)
+    # b grows by 300 KiB: 176 KiB over the capacity. Of a's excess one file can go (a second
+    # would take a below its share); the rest comes from b's own files.
+    assert errno_of(1001, f"os.truncate('{m.mnt}/b/f0', {400 * K})") == 0
+    assert int(os.getxattr(m.mnt / "a", "user.kvfs.used")) == 600 * K
+    assert set(os.listdir(m.mnt / "a")) == {f"f{i}" for i in range(1, 7)}  # its oldest went
+    assert set(os.listdir(m.mnt / "b")) == {"f0"}
+    # b's next growth finds no file of a above its share: b's own files go, not a's.
+    assert errno_of(1001, f"open('{m.mnt}/b/g', 'wb').write(b'g' * {300 * K})") == 0
+    assert int(os.getxattr(m.mnt / "a", "user.kvfs.used")) == 600 * K
+    assert set(os.listdir(m.mnt / "b")) == {"g"}
+    assert m.stats()["used_bytes"] <= 1 << 20
+
+
+def test_quota_refuses_at_once_what_cannot_fit(mount_factory):
+    m = mount_factory()
+    kvfs("tenant", "add", str(m.mnt), "a", "--uid", "1000", "--gid", "1000", "--quota", "300K")
+    fill(m, "a", 1000, [100 * K, 100 * K])
+    before = tree(m.mnt)
+    # Past the quota by itself: refused; nothing of the tenant's evicted for it.
+    code = f"fd = os.open('{m.mnt}/a/x', os.O_WRONLY | os.O_CREAT)\nos.pwrite(fd, b'x', {400 * K})"
+    assert errno_of(1000, code) == errno.EDQUOT
+    # Within the quota only if a pinned file went: refused too.
+    os.setxattr(m.mnt / "a" / "f0", "user.kvfs.pin", b"1")
+    assert errno_of(1000, f"os.truncate('{m.mnt}/a/x', {250 * K})") == errno.EDQUOT
+    after = tree(m.mnt)
+    assert after.pop("a/x") == b""
+    assert after == before
+
+
+def test_fair_shares_and_room_order():
+    from kvfs.capacity import UNLIMITED, fair_shares, room_order
+
+    usage = {1: 700, 2: 200, 3: 0}
+    shares = fair_shares(usage, 1000, {2: 300}, grower=3)
+    assert shares == {1: 333, 2: 300, 3: 333}  # tenant 3 counts: it is about to hold bytes
+    assert room_order(usage, shares, 3, 100) == [(1, 367, 367), (3, UNLIMITED, UNLIMITED)]
+    # Background eviction: the excess first, then the rest in proportion to what is held.
+    shares = fair_shares(usage, 1000, {}, None)
+    assert shares == {1: 500, 2: 500}
+    assert room_order(usage, shares, None, 400) == [(1, 200, 200), (1, 143, UNLIMITED),
+                                                    (2, 58, UNLIMITED)]
+
+
+def test_publish_that_cannot_fit_evicts_nothing(two):
+    """The client's save (a publish) is refused whole, with the files it wrote removed and
+    nothing of anyone evicted: EFBIG for a block larger than the capacity, ENOSPC for blocks
+    that would fit only by taking the other tenant below its fair share."""
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+    from kvfs.client import CacheFull
+
+    m = two
+    fill(m, "a", 1000, [200 * K] * 3)  # 600 KiB: above its share only once b holds bytes
+    before = tree(m.mnt / "a")
+    os.chown(m.mnt / "b", 0, 0)  # the client below runs in this (root) process
+    huge = kv.ModelSpec(model="huge", revision="1", kv_dtype="uint8", block_size=16,
+                        num_layers=1, num_kv_heads=1, head_dim=64 << 10)  # 2 MiB a block
+    with kv.KVCache.open(m.mnt, tenant="b", spec=huge) as cache:
+        with pytest.raises(CacheFull) as exc:
+            cache.save(cache.block_hashes([1] * 16), torch.zeros(1, *huge.block_shape,
+                                                                  dtype=torch.uint8))
+        assert exc.value.errno == errno.EFBIG
+    small = kv.ModelSpec(model="small", revision="1", kv_dtype="uint8", block_size=16,
+                         num_layers=1, num_kv_heads=1, head_dim=3 << 10)  # 100 KiB a block
+    with kv.KVCache.open(m.mnt, tenant="b", spec=small) as cache:
+        hashes = cache.block_hashes(list(range(16 * 6)))  # 6 blocks, 600 KiB: a would go to 424
+        with pytest.raises(CacheFull) as exc:
+            cache.save(hashes, torch.zeros(6, *small.block_shape, dtype=torch.uint8))
+        assert exc.value.errno == errno.ENOSPC
+        assert not any(os.path.exists(cache.path(h)) for h in hashes)
+        assert cache.save(hashes[:4], torch.zeros(4, *small.block_shape, dtype=torch.uint8)) == 4
+    assert tree(m.mnt / "a") == before  # 600 + 400 KiB fit without a single eviction

@@ -66,19 +66,29 @@ def test_create_write_read(ops):
     assert (ops.store.root + b"/t/f") and open(ops.store.root + b"/t/f", "rb").read() == b"hello"
 
 
-def test_writing_flag_is_persisted_until_last_close(ops):
+def test_writing_flag_is_persisted_until_the_writers_close(ops):
+    """The flag marks a file changed through a descriptor not closed yet: set by the first
+    change (not the open), cleared once every descriptor that changed it is closed."""
     ino = make_file(ops)
 
     async def go():
         a = await ops.open(ino, os.O_WRONLY, ROOT)
         b = await ops.open(ino, os.O_WRONLY, ROOT)
+        assert ops.index.get(ino).writing == 0  # opened, nothing changed yet
         await ops.write(a.fh, 0, b"xy")
+        await ops.write(b.fh, 2, b"z")
         assert ops.index.get(ino).writing == 1
-        assert (await ops.getattr(ino, ROOT)).st_size == 2  # the in-memory size
+        assert (await ops.getattr(ino, ROOT)).st_size == 3  # the in-memory size
+        await ops.flush(a.fh)
         await ops.release(a.fh)
+        assert ops.index.get(ino).writing == 1  # b has changed it too, and is open
+        await ops.flush(b.fh)
+        assert ops.index.get(ino).writing == 0
+        await ops.write(b.fh, 3, b"!")  # changed again
         assert ops.index.get(ino).writing == 1
         await ops.release(b.fh)
         assert ops.index.get(ino).writing == 0
+        assert ops.index.get(ino).size == 4
 
     run(go)
 

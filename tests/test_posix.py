@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -85,12 +86,20 @@ def test_df_reports_capacity(mount_factory):
 def test_capacity_refuses_writes_with_enospc(mount_factory):
     m = mount_factory(extra=["--capacity", "1M"])
     kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    # A file larger than the whole capacity can never fit: EFBIG.
     with pytest.raises(OSError) as exc:
         (m.mnt / "t" / "big").write_bytes(b"x" * (2 << 20))
-    assert exc.value.errno == errno.ENOSPC
+    assert exc.value.errno == errno.EFBIG
     with pytest.raises(OSError) as exc:
         os.truncate(m.mnt / "t" / "big", 10 << 20)
+    assert exc.value.errno == errno.EFBIG
+    # One that would fit an empty store, but not beside what cannot be evicted: ENOSPC.
+    (m.mnt / "t" / "open").write_bytes(b"o" * (600 << 10))  # evicts what big holds
+    (m.mnt / "t" / "small").write_bytes(b"")
+    with open(m.mnt / "t" / "open", "rb"), pytest.raises(OSError) as exc:
+        os.truncate(m.mnt / "t" / "small", 600 << 10)
     assert exc.value.errno == errno.ENOSPC
+    assert os.path.getsize(m.mnt / "t" / "small") == 0
 
 
 def test_names(tenant, mount):
@@ -246,9 +255,11 @@ def test_blocks_written_through_the_mount(tenant, mount):
     bad.write_bytes(b"not a block")
     with pytest.raises(OSError):
         os.getxattr(bad, "user.kvfs.block_hash")
-    # While open for writing, a file is not a block.
+    # Opened for writing, a block stays one until it is written; written, it is not one.
     with open(p1, "r+b") as f:
+        assert os.getxattr(p1, "user.kvfs.block_hash") == h1.hex().encode()
         f.write(b"K")
+        f.flush()
         with pytest.raises(OSError):
             os.getxattr(p1, "user.kvfs.block_hash")
 
@@ -318,9 +329,88 @@ def test_unlinked_open_file_stays_readable(tenant):
     f = tenant / "f"
     f.write_bytes(b"still here")
     with open(f, "rb") as fh:
+        assert os.fstat(fh.fileno()).st_nlink == 1
         os.unlink(f)
         assert not f.exists()
         assert fh.read() == b"still here"
+        assert os.fstat(fh.fileno()).st_nlink == 0  # as on ext4: no name left
+
+
+def test_fallocate_is_refused_and_posix_fallocate_writes(mount_factory):
+    """fallocate(2) is refused in every mode (pyfuse3 has no fallocate handler): EOPNOTSUPP,
+    nothing changed. posix_fallocate(3) then falls back to writing, which kvfs accounts and
+    refuses past the capacity like any write (docs/architecture.md)."""
+    m = mount_factory(extra=["--capacity", "1M"])
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    f = m.mnt / "t" / "f"
+    f.write_bytes(b"abc")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fd = os.open(f, os.O_RDWR)
+    try:
+        # 0, KEEP_SIZE, PUNCH_HOLE | KEEP_SIZE, ZERO_RANGE
+        for mode in (0, 0x01, 0x02 | 0x01, 0x10):
+            assert libc.fallocate(fd, mode, 0, 64 << 10) == -1, mode
+            assert ctypes.get_errno() == errno.EOPNOTSUPP, mode
+            assert f.read_bytes() == b"abc"
+        os.posix_fallocate(fd, 0, 300 << 10)
+        assert os.fstat(fd).st_size == 300 << 10
+        with pytest.raises(OSError) as exc:
+            os.posix_fallocate(fd, 0, 2 << 20)  # larger than the capacity
+        assert exc.value.errno == errno.EFBIG
+    finally:
+        os.close(fd)
+    assert f.read_bytes()[:3] == b"abc" and not f.read_bytes()[3:300 << 10].strip(b"\0")
+    assert m.stats()["used_bytes"] <= 1 << 20
+
+
+def test_directory_link_counts(tenant, mount):
+    """A directory has 2 + its subdirectories links (find and other tools rely on it)."""
+    d = tenant / "d"
+    d.mkdir()
+    assert os.stat(d).st_nlink == 2
+    (d / "a").mkdir()
+    (d / "b").mkdir()
+    (d / "f").write_bytes(b"")
+    assert os.stat(d).st_nlink == 4
+    os.rmdir(d / "a")
+    assert os.stat(d).st_nlink == 3
+    (tenant / "e").mkdir()
+    os.rename(d / "b", tenant / "e" / "b")
+    assert os.stat(d).st_nlink == 2 and os.stat(tenant / "e").st_nlink == 3
+    assert os.stat(tenant).st_nlink == 4
+    assert os.stat(mount.mnt).st_nlink == 2 + 1 + 1  # the tenant, and .kvfs
+    assert os.stat(mount.mnt / ".kvfs").st_nlink == 2
+    found = sh("find", str(tenant), "-type", "d").stdout.split()
+    assert sorted(found) == sorted(str(p) for p in (tenant, d, tenant / "e", tenant / "e" / "b"))
+
+
+def test_directory_times_follow_its_entries(tenant):
+    """Creating, removing or renaming an entry changes its directory's mtime and ctime."""
+    d, other = tenant / "d", tenant / "other"
+    d.mkdir()
+    other.mkdir()
+
+    def changed(path, action) -> bool:
+        before = os.stat(path)
+        time.sleep(0.02)
+        action()
+        after = os.stat(path)
+        return (after.st_mtime_ns > before.st_mtime_ns
+                and after.st_ctime_ns > before.st_ctime_ns)
+
+    assert changed(d, lambda: (d / "f").write_bytes(b"x"))
+    assert changed(d, lambda: (d / "sub").mkdir())
+    assert changed(d, lambda: os.symlink("f", d / "l"))
+    assert changed(d, lambda: os.rename(d / "f", d / "g"))
+    assert changed(d, lambda: os.rename(d / "g", other / "g"))
+    assert changed(other, lambda: os.rename(other / "g", d / "g"))
+    assert changed(d, lambda: os.unlink(d / "l"))
+    assert changed(d, lambda: os.rmdir(d / "sub"))
+    before = os.stat(d / "g").st_ctime_ns
+    time.sleep(0.02)
+    os.rename(d / "g", d / "h")
+    assert os.stat(d / "h").st_ctime_ns > before  # the moved file's ctime too
 
 
 def test_virtual_files(mount, tenant):
@@ -373,6 +463,44 @@ def test_sigkill_during_writes_recovers(mount, tenant):
     assert not (mount.backing / "acme" / "ns" / "partial").exists()
     assert not stray.exists()
     assert "removed partial" in mount.log_text() or "1 partial" in mount.log_text()
+
+
+def test_sigkill_keeps_files_opened_but_not_written(mount, tenant):
+    """A complete file only opened read-write when the daemon dies is intact at the next
+    mount; one written since its open is removed (it may be half-written)."""
+    ns = tenant / "ns"
+    ns.mkdir()
+    h, data = make_block(3)
+    block = ns / hashing.block_relpath(h)
+    block.parent.mkdir()
+    block.write_bytes(data)
+    for name in ("opened", "written", "closed", "two"):
+        (ns / name).write_bytes(b"complete")
+    holder = subprocess.Popen(
+        ["python3", "-c", f"import time\na=open({str(ns / 'opened')!r},'r+b')\n"
+                          f"b=open({str(block)!r},'r+b')\n"
+                          f"c=open({str(ns / 'written')!r},'r+b')\n"
+                          "c.write(b'X'); c.flush()\n"
+                          # written and closed, while another descriptor is open, unwritten
+                          f"d=open({str(ns / 'closed')!r},'r+b')\n"
+                          f"e=open({str(ns / 'closed')!r},'r+b'); e.write(b'C'); e.close()\n"
+                          # written through two descriptors, one of them still open
+                          f"f=open({str(ns / 'two')!r},'r+b'); f.write(b'T'); f.flush()\n"
+                          f"g=open({str(ns / 'two')!r},'r+b'); g.write(b'U'); g.close()\n"
+                          "print('ok', flush=True)\ntime.sleep(60)"],
+        stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "ok"
+    os.kill(mount.pid(), 9)
+    force_unmount(mount.mnt)
+    holder.kill()
+    holder.wait()
+    mount.start()
+    assert (ns / "opened").read_bytes() == b"complete"
+    assert block.read_bytes() == data
+    assert os.getxattr(block, "user.kvfs.block_hash") == h.hex().encode()
+    assert not (ns / "written").exists()
+    assert (ns / "closed").read_bytes() == b"Complete"
+    assert not (ns / "two").exists()
 
 
 def test_fsck_reconciles_backing_changes(mount, tenant):
