@@ -267,7 +267,8 @@ class KVFSConnector(KVConnectorBase_V1):
         log.info("KVFSConnector (%s): %r, namespace %s", role.name, self.cache,
                  self.spec.namespace)
         self._lock = threading.Lock()
-        self._stats: dict[str, int | float] = {}
+        self._stats: dict[str, int | float] = {}  # since the last get_kv_connector_stats
+        self._totals: dict[str, int | float] = {}  # since the start
         # scheduler side
         self._requests: dict[str, _Request] = {}
         self._events: list[Any] = []
@@ -281,6 +282,7 @@ class KVFSConnector(KVConnectorBase_V1):
         with self._lock:
             for k, v in deltas.items():
                 self._stats[k] = self._stats.get(k, 0) + v
+                self._totals[k] = self._totals.get(k, 0) + v
 
     # -- scheduler side ------------------------------------------------------------------
 
@@ -298,21 +300,25 @@ class KVFSConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
-        if state is None:
-            state = self._lookup(request)
-            self._requests[request.request_id] = state
         local = num_computed_tokens // self._block_size
+        if state is None:
+            state = self._lookup(request, local)
+            self._requests[request.request_id] = state
         if state.hit <= local:
             return 0, False
         return (state.hit - local) * self._block_size, False
 
-    def _lookup(self, request: Request) -> _Request:
+    def _lookup(self, request: Request, local: int) -> _Request:
+        """One kvfs lookup of the prompt's blocks (none if vLLM's own prefix cache holds
+        every block a hit could give)."""
         prompt = list(request.prompt_token_ids or [])
         if getattr(request, "mm_features", None) or not prompt:
             return _Request(hashes=[], hit=0)  # multimodal inputs: not cached by kvfs
         hashes = block_hashes(prompt, self._block_size, extra=self._extra_key(request))
         # At least one prompt token must be computed, to sample the next one.
         usable = (len(prompt) - 1) // self._block_size
+        if local >= usable:
+            return _Request(hashes=hashes, hit=local, saved=local)
         start = time.perf_counter()
         try:
             hit = self.cache.lookup(hashes[:usable], budget=self._extra["lookup_budget_s"])
@@ -480,7 +486,8 @@ class KVFSConnector(KVConnectorBase_V1):
     def counters(self) -> dict[str, Any]:
         """Everything counted since the start (the driver's record)."""
         with self._lock:
-            return {"connector": dict(self._stats), "client": self.cache.stats}
+            totals = dict(self._totals)
+        return {"connector": totals, "client": self.cache.stats}
 
 
 # -- the oracle: vLLM's own ExampleConnector, matching the longest stored prefix -------------
@@ -589,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn vLLM's own prefix cache off (every request asks the connector)")
     p.add_argument("--dump-loaded", help="write the pages the last load filled to this .pt")
     args = p.parse_args(argv)
 
@@ -608,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     llm = LLM(model=args.model, dtype="bfloat16", max_model_len=args.max_model_len,
               max_num_batched_tokens=args.max_model_len, max_num_seqs=4, seed=0,
-              enforce_eager=True, **kwargs)
+              enforce_eager=True, enable_prefix_caching=not args.no_prefix_cache, **kwargs)
     start_s = time.perf_counter() - started
     # Greedy; with --max-tokens 1 a request's time is its time to first token.
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
@@ -631,6 +640,7 @@ def main(argv: list[str] | None = None) -> int:
         w.cache.flush()
         record["worker"] = w.counters()
         record["namespace"] = w.spec.namespace
+        record["direct"] = w.cache.direct
         record["spec"] = json.loads(w.spec.manifest_json())
         if args.dump_loaded and w.last_loads:
             pages = {}
