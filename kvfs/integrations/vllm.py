@@ -627,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
         results.append({"prompt_tokens": len(tokens), "seconds": time.perf_counter() - t0,
-                        "cached_tokens": out.num_cached_tokens, "text": out.outputs[0].text,
+                        "cached_tokens": out.num_cached_tokens, "prompt_token_ids": tokens,
+                        "text": out.outputs[0].text,
                         "token_ids": list(out.outputs[0].token_ids)})
     from kvfs.integrations import vllm as mod  # the module vLLM loaded the connector from
 
