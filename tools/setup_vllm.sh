@@ -9,11 +9,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-PY=${PYTHON:-python3}
+# The system interpreter where there is one: the tests run engines as tenants' uids, which
+# must be able to execute the venv's interpreter (one under a private home would not do).
+if [ -z "${PYTHON:-}" ] && [ -x /usr/bin/python3 ]; then PY=/usr/bin/python3; else PY=${PYTHON:-python3}; fi
 VENV=.venv-vllm
 MODEL_DIR=.cache/models/smollm2-135m-instruct
 VPY=$VENV/bin/python
 
+if [ -x "$VPY" ] && ! "$VPY" -c "" 2>/dev/null; then
+  echo "setup_vllm: $VENV is broken (its interpreter does not run): making it anew"
+  rm -rf "$VENV"
+fi
 if [ ! -x "$VPY" ]; then
   echo "setup_vllm: creating $VENV"
   "$PY" -m venv "$VENV"

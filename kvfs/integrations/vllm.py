@@ -596,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
+                   help="first serve one untimed prompt of this many tokens, unrelated to the "
+                        "others (the first forward passes of a process are slow)")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="drop the kernel's page cache before each prompt (root only)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn vLLM's own prefix cache off (every request asks the connector)")
     p.add_argument("--dump-loaded", help="write the pages the last load filled to this .pt")
@@ -621,17 +626,42 @@ def main(argv: list[str] | None = None) -> int:
     start_s = time.perf_counter() - started
     # Greedy; with --max-tokens 1 a request's time is its time to first token.
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    results = []
+    if args.warmup:
+        vocab = llm.get_tokenizer().vocab_size
+        warm = [(7919 * i + 13) % (vocab - 1000) + 500 for i in range(args.warmup)]
+        llm.generate([TokensPrompt(prompt_token_ids=warm)], params, use_tqdm=False)
+    from kvfs.integrations import vllm as mod  # the module vLLM loaded the connector from
+
+    def snapshot() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for c in mod._INSTANCES:
+            out.update({f"{c.role.name.lower()}.{k}": v for k, v in c.counters()["connector"]
+                        .items()})
+            if c.role == KVConnectorRole.WORKER:
+                out.update({f"client.{k}": v for k, v in c.cache.stats.items()
+                            if isinstance(v, int | float)})
+        return out
+
+    results: list[dict[str, Any]] = []
+    snapshot_0 = snapshot()
     for path in args.prompt_file:
         tokens = _prompt_tokens(llm, path)
+        if args.drop_caches:
+            os.sync()
+            with open("/proc/sys/vm/drop_caches", "w") as f:
+                f.write("1")
         t0 = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=tokens)], params, use_tqdm=False)[0]
-        results.append({"prompt_tokens": len(tokens), "seconds": time.perf_counter() - t0,
+        seconds = time.perf_counter() - t0
+        before, after = (results[-1]["_after"] if results else snapshot_0), snapshot()
+        delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        results.append({"prompt_tokens": len(tokens), "seconds": seconds, "counters": delta,
+                        "_after": after,
                         "cached_tokens": out.num_cached_tokens, "prompt_token_ids": tokens,
                         "text": out.outputs[0].text,
                         "token_ids": list(out.outputs[0].token_ids)})
-    from kvfs.integrations import vllm as mod  # the module vLLM loaded the connector from
-
+    for r in results:
+        del r["_after"]
     record: dict[str, Any] = {"connector": args.connector, "start_s": start_s,
                               "requests": results}
     workers = [c for c in mod._INSTANCES if c.role == KVConnectorRole.WORKER]
