@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./tools/setup.sh
+./tools/setup_vllm.sh  # .venv-vllm and the model, for tests/test_vllm.py
 exec .venv/bin/python -m pytest -q "$@"
