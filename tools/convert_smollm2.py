@@ -46,6 +46,9 @@ def main(argv: list[str]) -> int:
             del cfg.quantization_config
     model.save_pretrained(str(tmp), safe_serialization=True)
     tok.save_pretrained(str(tmp))
+    for f in tmp.iterdir():  # readable by every uid: engines run as tenants' uids
+        f.chmod(0o644)
+    tmp.chmod(0o755)
     (tmp / ".converted").write_text(f"{gguf.name}\n")
     if out.exists():
         import shutil
