@@ -52,6 +52,17 @@ def _require_vllm() -> None:
         pytest.skip(msg)
 
 
+def test_kvfs_and_its_integrations_import_without_vllm():
+    """Only kvfs.integrations.vllm imports vLLM; the test suite's venv has none."""
+    import subprocess as sp
+    import sys
+
+    code = ("import sys, kvfs, kvfs.integrations, kvfs.client, kvfs.cli; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    res = sp.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+
+
 @pytest.fixture(scope="module")
 def work() -> Iterator[Path]:
     """A world-traversable scratch directory: prompts, HOME of the engines, mounts."""
