@@ -383,7 +383,7 @@ class KVFSConnector(KVConnectorBase_V1):
         except ImportError:  # pragma: no cover - older vLLM
             return
         self._events.append(BlockStored(
-            block_hashes=[h for h in hashes], parent_block_hash=parent, token_ids=[],
+            block_hashes=list(hashes), parent_block_hash=parent, token_ids=[],
             block_size=self._block_size, lora_id=None, medium="STORAGE", lora_name=None))
 
     def take_events(self) -> Any:
