@@ -570,6 +570,22 @@ def cmd_bench_crossover(args: argparse.Namespace) -> int:
     return crossover.main(args)
 
 
+def cmd_bench_engine(args: argparse.Namespace) -> int:
+    import shutil  # noqa: PLC0415
+
+    from .bench import engine  # noqa: PLC0415
+
+    if not args.lengths or any(n < 2 for n in args.lengths):
+        raise CliError("lengths must be at least 2 tokens", EXIT_USAGE)
+    if max(args.lengths) + engine.TAIL + 1 > args.max_model_len:
+        raise CliError(f"lengths must leave {engine.TAIL + 1} tokens under --max-model-len "
+                       f"({args.max_model_len})", EXIT_USAGE)
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
+        raise CliError("kvfs bench engine mounts kvfs: it needs /dev/fuse and fusermount3",
+                       EXIT_USAGE)
+    return engine.main(args)
+
+
 def cmd_bench_degraded(args: argparse.Namespace) -> int:
     from .bench import degraded  # noqa: PLC0415
 
@@ -816,6 +832,24 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
     add_output_args(bc)
     bc.set_defaults(func=cmd_bench_crossover)
+
+    be = bsub.add_parser("engine", help="time to first token of a real vLLM: the "
+                         "KVFSConnector against recompute and vLLM's ExampleConnector")
+    be.add_argument("--lengths", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8000],
+                    help="context lengths in tokens (256 1024 2048 4096 8000)")
+    be.add_argument("--python", default=os.path.join(".venv-vllm", "bin", "python"),
+                    help="the vLLM venv's interpreter (tools/setup_vllm.sh makes it)")
+    be.add_argument("--model", default=os.path.join(".cache", "models",
+                                                    "smollm2-135m-instruct"),
+                    help="the model directory (tools/setup_vllm.sh converts SmolLM2-135M)")
+    be.add_argument("--max-model-len", type=int, default=8192, dest="max_model_len")
+    be.add_argument("--no-cold", dest="cold", action="store_false",
+                    help="skip the cold page-cache condition (it needs root)")
+    be.add_argument("--keep", action="store_true", help="keep the work directory")
+    be.add_argument("--note", default="", help="a word on the conditions, kept in the record")
+    be.add_argument("--dir", default=".", help="where to put the mount (default: here)")
+    add_output_args(be)
+    be.set_defaults(func=cmd_bench_engine)
 
     bd = bsub.add_parser("degraded", help="tail latency of loads on misses: no lower tier, "
                          "a slow one, a dead one")

@@ -11,4 +11,5 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 cd "$(dirname "$0")/.."
 ./tools/setup.sh
+./tools/setup_vllm.sh  # .venv-vllm and the model, for tests/test_vllm.py
 exec .venv/bin/python -m pytest -q "$@"

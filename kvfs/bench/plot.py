@@ -161,6 +161,35 @@ def _crossover(record: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
+def _engine(record: dict[str, Any], plt: Any) -> Any:
+    """TTFT against context length, a line per condition (recompute, kvfs warm and cold,
+    ExampleConnector)."""
+    rows = rows_of(record)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label, style in (("recompute_ms", "recompute (no connector)", "o-"),
+                              ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
+                              ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
+                              ("example_ms", "vLLM ExampleConnector", "^-")):
+        pts = sorted((number(r.get("tokens")), number(r.get(key))) for r in rows
+                     if (number(r.get("tokens")) or 0) > 0 and (number(r.get(key)) or 0) > 0)
+        if pts:
+            ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
+    cross = number(record.get("crossover_tokens"))
+    if cross:
+        ax.axvline(cross, color="tab:red", linestyle=":", label=f"kvfs wins from {cross:g} "
+                   "tokens")
+    ax.set_xscale("log", base=2)
+    data_ticks(ax, [number(r.get("tokens")) for r in rows])
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("time to first token (ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title(record, f"kvfs bench engine: vLLM + {record.get('model', '?')}"),
+                 fontsize=9)
+    return fig
+
+
 def _restore(record: dict[str, Any], plt: Any) -> Any:
     """GB/s against block size, a line per path and page-cache state, a panel per thread count;
     below, the per-request latency (p50) where the rows carry it."""
@@ -329,7 +358,7 @@ def _cell(v: Any) -> str:
 
 
 DRAW: dict[str, Callable[[dict[str, Any], Any], Any]] = {
-    "hitrate": _hitrate, "crossover": _crossover, "restore": _restore,
+    "hitrate": _hitrate, "crossover": _crossover, "restore": _restore, "engine": _engine,
     "degraded": _degraded, "mount": _mount, "tiers": _tiers,
 }
 

