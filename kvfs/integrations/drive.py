@@ -4,9 +4,10 @@ Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs be
 which run ``<venv>/bin/python -m kvfs.integrations.drive <engine> '<json plan>'`` and read one
 JSON object from the last line of its output. A plan says which backend (``kvfs``, or the
 engine's own file backend on a directory), which pages or chunks (a seed, a count, a page
-size) and what to do with them (``put``, ``get``, ``bench``). Data are pseudo-random bytes
-from the seed; the answer carries the sha256 of each page or chunk written or read, so a
-test compares what one process wrote with what another read.
+size) and what to do with them (``put``, ``exists``, ``get``, ``bench``); a list of plans
+runs one after the other in the same process, each answering its error if it raises.
+Data are pseudo-random bytes from the seed; the answer carries the sha256 of each page or
+chunk written or read, so a test compares what one process wrote with what another read.
 
 SGLang: a real host KV pool (``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost`` on CPU, in
 the layout the plan names) and the backend made by SGLang's ``StorageBackendFactory``
@@ -207,7 +208,15 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
             out["got"] = got
             out["get_sha"] = [_sha(page(i)) for i in range(got)]
         elif op == "bench":
-            out["bench"] = _bench(plan, put, get, batches, n * page_bytes)
+            def put_all() -> None:
+                if not all(put(lo, hi) for lo, hi in batches()):
+                    raise RuntimeError("a set failed")
+
+            def get_all() -> None:
+                if sum(get(lo, hi) for lo, hi in batches()) != n:
+                    raise RuntimeError("a get missed")
+
+            out["bench"] = _bench(plan, put_all, get_all, n * page_bytes)
         elif op == "stats":
             out["stats"] = backend.get_stats()
         elif op == "clear":
@@ -217,21 +226,13 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _bench(plan: dict[str, Any], put: Any, get: Any, batches: Any, total: int
+def _bench(plan: dict[str, Any], put_all: Any, get_all: Any, total: int
            ) -> dict[str, float]:
     """Seconds to set every page, then to get them all warm and cold (median of repeats)."""
     def timed(fn: Any) -> float:
         t = time.perf_counter()
         fn()
         return time.perf_counter() - t
-
-    def put_all() -> None:
-        if not all(put(lo, hi) for lo, hi in batches()):
-            raise RuntimeError("a set failed")
-
-    def get_all() -> None:
-        for lo, hi in batches():
-            get(lo, hi)
 
     out = {"bytes": total, "set_s": timed(put_all)}
     root = plan.get("cold_root")
@@ -253,7 +254,97 @@ def _bench(plan: dict[str, Any], put: Any, get: Any, batches: Any, total: int
 
 
 def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
-    raise NotImplementedError
+    from lmcache.utils import CacheEngineKey  # noqa: PLC0415
+    from lmcache.v1.config import LMCacheEngineConfig  # noqa: PLC0415
+    from lmcache.v1.event_manager import EventManager  # noqa: PLC0415
+    from lmcache.v1.memory_management import MemoryFormat  # noqa: PLC0415
+    from lmcache.v1.metadata import LMCacheMetadata  # noqa: PLC0415
+    from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: PLC0415
+
+    n, seed, chunk = plan["count"], plan["seed"], plan["chunk_size"]
+    layers, heads, hd = plan["layers"], plan["heads"], plan["head_dim"]
+    dtype = getattr(torch, plan["dtype"])
+    chunk_bytes = 2 * layers * chunk * heads * hd * dtype.itemsize
+    cfg: dict[str, Any] = {"chunk_size": chunk, "local_cpu": True,
+                           "max_local_cpu_size": plan.get("cpu_gb", 0.5)}
+    if plan["backend"] == "kvfs":
+        name = "kvfs"
+        cfg |= {"storage_plugins": ["kvfs"], "extra_config": {
+            "storage_plugin.kvfs.module_path": "kvfs.integrations.lmcache",
+            "storage_plugin.kvfs.class_name": "KVFSBackend",
+            "kvfs.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
+            **plan.get("extra", {})}}
+    else:
+        name = "LocalDiskBackend"
+        cfg |= {"local_disk": plan["dir"], "max_local_disk_size": plan.get("disk_gb", 4.0)}
+    metadata = LMCacheMetadata(
+        model_name=plan["model"], world_size=plan.get("world_size", 1), local_world_size=1,
+        worker_id=plan.get("worker_id", 0), local_worker_id=0, kv_dtype=dtype,
+        kv_shape=(layers, 2, chunk, heads, hd), chunk_size=chunk)
+    manager = StorageManager(LMCacheEngineConfig.from_dict(cfg), metadata, EventManager())
+    out: dict[str, Any] = {"backends": list(manager.storage_backends)}
+    backend = manager.storage_backends.get(name)
+    if backend is None:
+        manager.close()
+        out["error"] = f"no {name} backend (see the log)"
+        return out
+    keys = [CacheEngineKey(plan["model"], metadata.world_size, metadata.worker_id,
+                           int(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:15], 16),
+                           dtype) for i in range(n)]
+    shapes, dtypes = metadata.get_shapes(chunk), metadata.get_dtypes()
+
+    def put_via(target: Any) -> None:
+        objs = [manager.allocate(shapes, dtypes, MemoryFormat.KV_2LTD) for _ in keys]
+        for i, o in enumerate(objs):
+            o.tensor.view(torch.uint8).reshape(-1).copy_(_seeded(f"{seed}/{i}", chunk_bytes))
+        if target is manager:
+            manager.batched_put(keys, objs)
+        else:
+            backend.batched_submit_put_task(keys, objs)
+            for o in objs:
+                o.ref_count_down()
+        wait_put()
+
+    def wait_put() -> None:
+        if hasattr(backend, "flush"):
+            backend.flush()
+            return
+        deadline = time.monotonic() + 120
+        while any(backend.exists_in_put_tasks(k) or not backend.contains(k) for k in keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError("puts not done after 120 s")
+            time.sleep(0.01)
+
+    def get_all(keep: bool = False) -> list[Any]:
+        got = backend.batched_get_blocking(keys)
+        if not keep:
+            for o in got:
+                if o is not None:
+                    o.ref_count_down()
+        return got
+
+    for op in plan["ops"]:
+        if op == "put":
+            put_via(manager)
+            out["put_sha"] = [_sha(_seeded(f"{seed}/{i}", chunk_bytes)) for i in range(n)]
+        elif op == "exists":
+            out["exists"] = manager.batched_contains(keys)[0]
+            out["exists_each"] = [bool(backend.contains(k)) for k in keys]
+        elif op == "get":
+            got = manager.batched_get(keys)  # LMCache's own search order across its backends
+            m = next((i for i, o in enumerate(got) if o is None), len(got))
+            out["got"] = m
+            out["got_none"] = [o is None for o in got]
+            out["get_sha"] = [_sha(o.tensor) for o in got[:m]]
+            for o in got:
+                if o is not None:
+                    o.ref_count_down()
+        elif op == "bench":
+            out["bench"] = _bench(plan, lambda: put_via(backend), get_all, n * chunk_bytes)
+        elif op == "stats":
+            out["stats"] = getattr(getattr(backend, "cache", None), "stats", None)
+    manager.close()
+    return out
 
 
 # -- entry ---------------------------------------------------------------------------------
@@ -275,15 +366,22 @@ def _check() -> dict[str, Any]:
             "torch": torch.__version__}
 
 
+def _guarded(run: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """One plan of several: its error is its answer (a test may expect one)."""
+    try:
+        return run(plan)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def main(argv: list[str]) -> int:
     what = argv[0] if argv else ""
     plan = json.loads(argv[1]) if len(argv) > 1 else {}
+    run = {"sglang": _sglang, "lmcache": _lmcache}.get(what)
     if what == "check":
-        result = _check()
-    elif what == "sglang":
-        result = _sglang(plan)
-    elif what == "lmcache":
-        result = _lmcache(plan)
+        result: Any = _check()
+    elif run is not None:
+        result = [_guarded(run, p) for p in plan] if isinstance(plan, list) else run(plan)
     else:
         print("usage: python -m kvfs.integrations.drive check|sglang|lmcache '<plan json>'",
               file=sys.stderr)
