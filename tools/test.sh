@@ -4,4 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./tools/setup.sh
+./tools/setup_engines.sh
 exec .venv/bin/python -m pytest -q "$@"

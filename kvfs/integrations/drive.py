@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from kvfs.integrations._common import key_hash
+
 STORAGE_BATCH = 128  # pages per call, as SGLang's controller batches them
 
 
@@ -139,7 +141,7 @@ def _sglang_backend(plan: dict[str, Any], pool: Any) -> Any:
     return backend
 
 
-def _page_keys(seed: str, n: int, start: int = 0) -> list[str]:
+def page_keys(seed: str, n: int, start: int = 0) -> list[str]:
     """SGLang-style page keys: a sha256 hex chain (one link per page)."""
     keys, prev = [], ""
     for i in range(start + n):
@@ -155,7 +157,7 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
     pool = _sglang_pool(plan)
     backend = _sglang_backend(plan, pool)
     ps, n, seed = plan["page_size"], plan["count"], plan["seed"]
-    keys = _page_keys(seed, n)
+    keys = page_keys(seed, n)
     zero_copy = plan.get("zero_copy", plan["backend"] == "kvfs")
     indices = pool.alloc(n * ps)
     firsts = [int(i) for i in indices[::ps]]
@@ -194,6 +196,7 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
                 pool.set_from_flat_data_page(firsts[i], src.view(pool.dtype))
             out["put_sha"] = [_sha(page(i)) for i in range(n)]
             out["put_ok"] = all(put(lo, hi) for lo, hi in batches())
+            out["blocks"] = [key_hash(k).hex() for k in keys]
         elif op == "exists":
             out["exists"] = sum(backend.batch_exists(keys[lo:hi]) for lo, hi in batches())
             out["exists_each"] = [bool(backend.exists(k)) for k in keys]
@@ -327,6 +330,7 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
         if op == "put":
             put_via(manager)
             out["put_sha"] = [_sha(_seeded(f"{seed}/{i}", chunk_bytes)) for i in range(n)]
+            out["blocks"] = [key_hash(k.to_string()).hex() for k in keys]
         elif op == "exists":
             out["exists"] = manager.batched_contains(keys)[0]
             out["exists_each"] = [bool(backend.contains(k)) for k in keys]
@@ -339,6 +343,15 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
             for o in got:
                 if o is not None:
                     o.ref_count_down()
+        elif op == "bget":  # this backend alone, as LMCache asks each backend in turn
+            got = get_all(keep=True)
+            m = next((i for i, o in enumerate(got) if o is None), len(got))
+            out["got"] = m
+            out["get_sha"] = [_sha(o.tensor) for o in got[:m]]
+            for o in got[:m]:
+                o.ref_count_down()
+        elif op == "sleep":
+            time.sleep(plan.get("sleep", 1.0))
         elif op == "bench":
             out["bench"] = _bench(plan, lambda: put_via(backend), get_all, n * chunk_bytes)
         elif op == "stats":
