@@ -335,7 +335,13 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
             out["exists"] = manager.batched_contains(keys)[0]
             out["exists_each"] = [bool(backend.contains(k)) for k in keys]
         elif op == "get":
-            got = manager.batched_get(keys)  # LMCache's own search order across its backends
+            # As LMCache's cache engine retrieves: a prefix lookup across its backends, then
+            # a get from the backend that holds each part of it.
+            _hits, mapping = manager.batched_contains(keys)
+            got = []
+            for location, part in mapping.items():
+                got += manager.batched_get(part, location=location)
+            got += [None] * (n - len(got))
             m = next((i for i, o in enumerate(got) if o is None), len(got))
             out["got"] = m
             out["got_none"] = [o is None for o in got]
