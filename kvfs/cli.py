@@ -547,6 +547,14 @@ def cmd_bench_crossover(args: argparse.Namespace) -> int:
     return crossover.main(args)
 
 
+def cmd_bench_engines(args: argparse.Namespace) -> int:
+    from .bench import engines  # noqa: PLC0415
+
+    if args.total_mib < 4 or args.repeats < 1:
+        raise CliError("--total-mib must be at least 4 and --repeats at least 1", EXIT_USAGE)
+    return engines.run(args)
+
+
 def cmd_bench_degraded(args: argparse.Namespace) -> int:
     from .bench import degraded  # noqa: PLC0415
 
@@ -789,6 +797,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
     add_output_args(bc)
     bc.set_defaults(func=cmd_bench_crossover)
+    be = bsub.add_parser("engines", help="SGLang / LMCache: kvfs's storage backends against "
+                         "each engine's own file backend (needs .venv-engines)")
+    from .bench.engines import add_args as engines_args  # noqa: PLC0415 - stdlib only
+    engines_args(be)
+    add_output_args(be)
+    be.set_defaults(func=cmd_bench_engines)
 
     bd = bsub.add_parser("degraded", help="tail latency of loads on misses: no lower tier, "
                          "a slow one, a dead one")
