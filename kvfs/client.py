@@ -749,6 +749,54 @@ class KVCache:
                                   for b in bases]
         return self._load(list(hashes), pages, views_of)
 
+    # -- engine layouts: a block as a list of byte ranges in the engine's own memory ---------
+
+    def load_parts(self, hashes: Sequence[bytes],
+                   parts: Sequence[Sequence[torch.Tensor]]) -> int:
+        """Read block ``hashes[i]`` into the tensors ``parts[i]``: their bytes, in order, are
+        its payload (each contiguous, any dtype, together ``spec.block_payload_bytes``). For
+        engines whose pages are not one tensor (a K and a V region, one run per layer):
+        the bytes land where the engine keeps them, with no staging copy. Returns the
+        number of leading blocks loaded, like :meth:`load`."""
+        dests = self._parts(parts, len(hashes), "parts")
+        if dests:
+            _stream_done(dests[0][0])
+        views_of = None
+        if all(t.device.type == "cpu" for d in dests for t in d):
+            views = [[host_view(t) for t in d] for d in dests]
+            views_of = views.__getitem__
+        return self._load(list(hashes), dests.__getitem__, views_of)
+
+    def save_parts(self, hashes: Sequence[bytes], parts: Sequence[Sequence[torch.Tensor]], *,
+                   parent: bytes | None = None) -> int:
+        """Store block ``hashes[i]`` from the tensors ``parts[i]`` (see :meth:`load_parts`);
+        returns how many were new, like :meth:`save`."""
+        srcs = self._parts(parts, len(hashes), "parts")
+        if srcs:
+            _stream_done(srcs[0][0])
+        return self._save(list(hashes), srcs.__getitem__, parent)
+
+    def _parts(self, parts: Sequence[Sequence[torch.Tensor]], n: int, what: str
+               ) -> list[list[torch.Tensor]]:
+        """Each block's parts as flat uint8 tensors, checked: contiguous, the payload's size."""
+        if len(parts) < n:
+            raise ValueError(f"{what} holds {len(parts)} blocks, {n} hashes were given")
+        want = self.spec.block_payload_bytes
+        out = []
+        for i, ts in enumerate(parts[:n]):
+            flat = []
+            for t in ts:
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"{what}[{i}] holds a {type(t).__name__}, not a tensor")
+                if not t.is_contiguous():
+                    raise ValueError(f"{what}[{i}] holds a tensor that is not contiguous")
+                flat.append(t.reshape(-1).view(torch.uint8))
+            got = sum(t.numel() for t in flat)
+            if got != want:
+                raise ValueError(f"{what}[{i}] holds {got} bytes, a block's payload is {want}")
+            out.append(flat)
+        return out
+
     def load_async(self, hashes: Sequence[bytes], out: torch.Tensor) -> LoadHandle:
         """Start a layer-wise load into ``out`` and return at once (see :class:`LoadHandle`).
 

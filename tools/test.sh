@@ -12,4 +12,5 @@ fi
 cd "$(dirname "$0")/.."
 ./tools/setup.sh
 ./tools/setup_vllm.sh  # .venv-vllm and the model, for tests/test_vllm.py
+./tools/setup_engines.sh
 exec .venv/bin/python -m pytest -q "$@"

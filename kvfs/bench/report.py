@@ -690,6 +690,22 @@ are the connector's own times per request (scheduler lookup; worker read into th
 cache). LMCache's vLLM connector needs CUDA and is not measured; the S3-promoted condition is
 not measured by this subcommand yet (`tests/test_vllm.py` checks that path).""", _engine_table,
          ("tokens", "recompute_ms", "kvfs_warm_ms"), shown=("crossover_tokens",)),
+    Kind("engines", "Engines' storage backends", "kvfs bench engines --out docs/bench", """\
+`kvfs bench engines` (`kvfs/bench/engines.py`): SGLang 0.5.23 HiCache and LMCache 0.5.6, each
+driven through its own classes in the engines' venv (`tools/setup_engines.sh`): SGLang's
+storage factory over a real host KV pool (pages of 2 MiB, page-first, bfloat16), LMCache's
+StorageManager (chunks of 4 MiB). For each, the engine's own file backend (HiCacheFile on its
+generic page path; LocalDiskBackend) on a directory of the plain filesystem and on one of a
+kvfs mount over the same filesystem, and kvfs's backend on that mount (SGLang: zero-copy page
+forms; LMCache: the storage plugin), on the same amount of data (256 MiB). Set throughput
+(every page once), then get throughput warm (median of the repeats) and cold (page cache
+dropped before each, root only). The ratio is kvfs's backend over the engine's file backend
+on the plain filesystem, in the same run; the conditions column gives the file backend
+through the mount. kvfs's backend checksums every block it writes and verifies every block it
+reads (xxh3 over the payload), which the file backends do not do; the conditions column also
+gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the price of the
+verification is in the same run.""", _figure_table,
+         ("kvfs", "baseline", "ratio")),
     Kind("gpu", "GPU restore", "python tools/gpu_check.py", """\
 The direct path into GPU memory: blocks written through a mount, loaded into CUDA tensors
 through the kvikio transport (cuFile / GDS where the filesystem and driver allow it) and the

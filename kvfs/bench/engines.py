@@ -1,0 +1,172 @@
+"""``kvfs bench engines``: SGLang HiCache and LMCache storage backends, kvfs's against each
+engine's own file backend, on the same data.
+
+For each engine, in one process of the engines' venv (``.venv-engines``, built by
+tools/setup_engines.sh), through the engine's own classes (:mod:`kvfs.integrations.drive`):
+
+- SGLang 0.5.23: a real host KV pool (MHA, page-first, bfloat16, 32 layers x 32 tokens x 2
+  heads x 128: pages of 2 MiB), the backend made by SGLang's storage factory: HiCacheFile
+  (``file``, called on SGLang's generic page path as its controller calls it) on a directory
+  of the plain filesystem, HiCacheFile on a directory of a kvfs mount over the same
+  filesystem, and the kvfs backend (``dynamic``, zero-copy page forms) on that mount.
+- LMCache 0.5.6: its StorageManager with its CPU backend, and LocalDiskBackend on the plain
+  directory, LocalDiskBackend on the mount, or the kvfs plugin on the mount; chunks of
+  4 MiB (32 layers x 256 tokens x 2 heads x 64, bfloat16).
+
+``--total-mib`` (256) of pages or chunks are set once (timed: set throughput), then read
+back whole (get throughput), warm (page cache holding the files; median of ``--repeats``)
+and cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` before each, root only). The ratios
+are kvfs's backend over the engine's own file backend on the plain filesystem, measured in
+the same run; the engine's file backend through the mount is the figure the issue started
+from. kvfs's backend verifies every block it reads (xxh3 of the payload) and checksums every
+block it writes, which the file backends do not: a fourth run with ``verify=sampled`` (one
+block in 8 checksummed on reads; writes still checksum) shows what the verification costs.
+Every read is checked (the pages' count); bytes are checked by the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from .common import can_drop_caches, conditions, finish
+
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+TENANT = "bench"
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MiB = 1 << 20
+
+
+def _log(msg: str) -> None:
+    print(f"[engines] {msg}", file=sys.stderr, flush=True)
+
+
+def engines_python() -> str:
+    py = os.path.join(ROOT, ".venv-engines", "bin", "python")
+    if not os.path.exists(py):
+        raise SystemExit("kvfs bench engines: no .venv-engines (run tools/setup_engines.sh)")
+    return py
+
+
+def _drive(engine: str, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    res = subprocess.run([engines_python(), "-m", "kvfs.integrations.drive", engine,
+                          json.dumps(plans)], cwd=ROOT, capture_output=True, text=True)
+    lines = res.stdout.strip().splitlines()
+    if res.returncode != 0 or not lines:
+        raise SystemExit(f"kvfs bench engines: the {engine} run failed:\n{res.stderr[-4000:]}")
+    out = json.loads(lines[-1])
+    for p, r in zip(plans, out, strict=True):
+        if "error" in r:
+            raise SystemExit(f"kvfs bench engines: {engine} {p['backend']} on {p.get('dir')}:"
+                             f" {r['error']}")
+    return out
+
+
+def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold: bool
+           ) -> tuple[list[str], list[dict[str, Any]]]:
+    if engine == "sglang":
+        geo = {"layers": 32, "page_size": 32, "heads": 2, "head_dim": 128,
+               "dtype": "bfloat16", "layout": "page_first", "model": "bench/model"}
+        unit_mib = 2
+        own = "HiCacheFile"
+    else:
+        geo = {"layers": 32, "chunk_size": 256, "heads": 2, "head_dim": 64,
+               "dtype": "bfloat16", "model": "bench/model",
+               "cpu_gb": 2 * total_mib / 1024 + 0.25, "disk_gb": total_mib / 1024 + 1}
+        unit_mib = 4
+        own = "LocalDiskBackend"
+    base = geo | {"count": total_mib // unit_mib, "repeats": repeats, "ops": ["bench"],
+                  "drop_caches": cold}
+    names = [f"{own} on ext4", f"{own} through the mount", "kvfs backend",
+             "kvfs backend, verify=sampled"]
+    sampled = {"verify": "sampled"} if engine == "sglang" else {"kvfs.verify": "sampled"}
+    plans = [base | {"backend": "file", "dir": os.path.join(plain, engine), "seed": "p"},
+             base | {"backend": "file", "dir": os.path.join(mnt, TENANT, engine),
+                     "seed": "m"},
+             base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "k"},
+             base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "s",
+                     "extra": sampled}]
+    for p in plans:
+        if p["backend"] == "file":
+            os.makedirs(p["dir"], exist_ok=True)
+    return names, plans
+
+
+def run(args: argparse.Namespace) -> int:
+    cold = args.cold and can_drop_caches()
+    if args.cold and not cold:
+        _log("not root: no cold-cache figures (dropping the page cache needs root)")
+    work = tempfile.mkdtemp(prefix=".kvfs-bench-engines-", dir=args.work or os.getcwd())
+    backing, mnt, plain = (os.path.join(work, d) for d in ("backing", "mnt", "plain"))
+    for d in (backing, mnt, plain):
+        os.makedirs(d)
+    subprocess.run([*KVFS, "mount", backing, mnt, "--log", os.path.join(work, "daemon.log")],
+                   check=True, capture_output=True)
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    try:
+        subprocess.run([*KVFS, "tenant", "add", mnt, TENANT, "--uid", "0", "--gid", "0"],
+                       check=True, capture_output=True)
+        cond = conditions([plain, mnt])
+        for engine in args.engines:
+            names, plans = _plans(engine, mnt, plain, args.total_mib, args.repeats, cold)
+            _log(f"{engine}: {', '.join(names)}")
+            t = time.monotonic()
+            results = _drive(engine, plans)
+            _log(f"{engine}: {time.monotonic() - t:.0f} s")
+            raw[engine] = {n: r["bench"] for n, r in zip(names, results, strict=True)}
+            rows += _rows(engine, names, raw[engine])
+    finally:
+        subprocess.run([*KVFS, "umount", mnt], capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    cond["load"] = "this machine is shared and was loaded by other work during the run"
+    record = {"benchmark": "engines", "conditions": cond, "rows": rows, "results": raw,
+              "params": {"total_mib": args.total_mib, "repeats": args.repeats,
+                         "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
+    return finish(record, args, _table(rows))
+
+
+def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]]
+          ) -> list[dict[str, Any]]:
+    own, mount, kvfs, sampled = names
+    rows = []
+    for what, key in (("set", "set_s"), ("get warm", "get_warm_s"), ("get cold", "get_cold_s")):
+        if key not in res[kvfs]:
+            continue
+        gbps = {n: res[n]["bytes"] / res[n][key] / 1e9 for n in names}
+        ratio = gbps[kvfs] / gbps[own]
+        rows.append({"figure": f"{engine} {what}", "kvfs": round(gbps[kvfs], 3),
+                     "baseline": round(gbps[own], 3), "baseline_name": own,
+                     "ratio": round(ratio, 3), "unit": "GB/s", "target": ">= 1.0x",
+                     "ok": ratio >= 1.0,
+                     "note": f"{mount}: {gbps[mount]:.3f} GB/s "
+                             f"({gbps[mount] / gbps[own]:.2f}x); kvfs with verify=sampled: "
+                             f"{gbps[sampled]:.3f} GB/s ({gbps[sampled] / gbps[own]:.2f}x)"})
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'figure':<20} {'kvfs GB/s':>10} {'own GB/s':>10} {'ratio':>7}  own through "
+             "the mount"]
+    for r in rows:
+        lines.append(f"{r['figure']:<20} {r['kvfs']:>10.3f} {r['baseline']:>10.3f} "
+                     f"{r['ratio']:>6.2f}x  {r['note']}")
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engines", nargs="+", default=["sglang", "lmcache"],
+                   choices=["sglang", "lmcache"])
+    p.add_argument("--total-mib", type=int, default=256, help="data per backend (256)")
+    p.add_argument("--repeats", type=int, default=3, help="timed gets per state (3)")
+    p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
+                   help="also measure cold gets (root: drops the page cache)")
+    p.add_argument("--work", help="directory for the mount and the plain directory "
+                   "(default: here; the filesystem measured)")

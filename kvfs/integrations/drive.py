@@ -1,0 +1,411 @@
+"""Drive the engines' own classes against a storage backend, in a process of the engines' venv.
+
+Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs bench engines``,
+which run ``<venv>/bin/python -m kvfs.integrations.drive <engine> '<json plan>'`` and read one
+JSON object from the last line of its output. A plan says which backend (``kvfs``, or the
+engine's own file backend on a directory), which pages or chunks (a seed, a count, a page
+size) and what to do with them (``put``, ``exists``, ``get``, ``bench``); a list of plans
+runs one after the other in the same process, each answering its error if it raises.
+Data are pseudo-random bytes from the seed; the answer carries the sha256 of each page or
+chunk written or read, so a test compares what one process wrote with what another read.
+
+SGLang: a real host KV pool (``MHATokenToKVPoolHost`` or ``MLATokenToKVPoolHost`` on CPU, in
+the layout the plan names) and the backend made by SGLang's ``StorageBackendFactory``
+(``dynamic`` for kvfs, ``file`` for HiCacheFile), called as SGLang's cache controller calls
+it: ``batch_exists`` on the page keys, then the zero-copy page forms (``batch_get_v1`` /
+``batch_set_v1``, as with ``interface_v1``) or the generic ones with flat pages
+(``batch_get`` / ``batch_set``, the file backend's path), 128 pages per call.
+
+LMCache: LMCache's own ``StorageManager`` (its CPU backend, the storage plugin launcher
+loading the kvfs plugin, or its ``LocalDiskBackend``), with ``batched_put``,
+``batched_contains`` and ``batched_get``, as LMCache's cache engine calls them.
+
+``python -m kvfs.integrations.drive check`` imports what the tests need and says so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import torch
+
+from kvfs.integrations._common import key_hash
+
+STORAGE_BATCH = 128  # pages per call, as SGLang's controller batches them
+
+
+def _seeded(seed: str, nbytes: int) -> torch.Tensor:
+    return torch.frombuffer(bytearray(random.Random(seed).randbytes(nbytes)),
+                            dtype=torch.uint8)
+
+
+def _sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def _drop_caches() -> None:
+    """``sync; echo 3 > /proc/sys/vm/drop_caches`` (root): the next read comes from the disk."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+    time.sleep(0.5)  # let the mount's daemon take the kernel's forgets first
+
+
+# -- SGLang --------------------------------------------------------------------------------
+
+
+def _sglang_first() -> None:
+    """Import the kvfs backend before any of SGLang: it makes torchvision importable where
+    its kernels do not load (see :mod:`kvfs.integrations.sglang`)."""
+    importlib.import_module("kvfs.integrations.sglang")
+
+
+def _sglang_pool(plan: dict[str, Any]) -> Any:
+    _sglang_first()
+    from sglang.srt.mem_cache.device_pool_info import (  # noqa: PLC0415
+        KVBufferLayout,
+        KVBuffers,
+        MHABufferInfo,
+        MLABufferInfo,
+    )
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: PLC0415
+    from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost  # noqa: PLC0415
+
+    layers, ps, dtype = plan["layers"], plan["page_size"], getattr(torch, plan["dtype"])
+    pages = plan["count"] + 2
+    dev_tokens = ps * 2
+    cpu = torch.device("cpu")
+
+    def ptrs(ts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)
+
+    common = dict(pin_memory=False, device="cpu", device_capacity_tokens=dev_tokens,
+                  start_layer=0, end_layer=layers, host_token_capacity=pages * ps)
+    if plan.get("mla"):
+        dim = plan["kv_dim"]
+        bufs = tuple(torch.zeros(dev_tokens, 1, dim, dtype=dtype) for _ in range(layers))
+        info = MLABufferInfo(buffers=bufs, data_ptrs=ptrs(bufs),
+                             layer_indices=tuple(range(layers)), device_layer_num=layers,
+                             page_size=ps, kv_lora_rank=dim - 64, qk_rope_head_dim=64,
+                             kv_cache_dim=dim, dtype=dtype, device=cpu)
+        return MLATokenToKVPoolHost(info, 1.0, 0, ps, plan["layout"], target_layer_num=layers,
+                                    **common)
+    heads, hd = plan["heads"], plan["head_dim"]
+    k = tuple(torch.zeros(dev_tokens, heads, hd, dtype=dtype) for _ in range(layers))
+    v = tuple(torch.zeros(dev_tokens, heads, hd, dtype=dtype) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, k_data_ptrs=ptrs(k), v_data_ptrs=ptrs(v),
+                          layout=KVBufferLayout.NHD),
+        page_size=ps, head_num=heads, head_dim=hd, v_head_dim=hd, dtype=dtype, device=cpu)
+    return MHATokenToKVPoolHost(info, 1.0, 0, ps, plan["layout"], **common)
+
+
+def _sglang_backend(plan: dict[str, Any], pool: Any) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: PLC0415
+    from sglang.srt.mem_cache.storage.backend_factory import (  # noqa: PLC0415
+        StorageBackendFactory,
+    )
+
+    mla = bool(plan.get("mla"))
+    if plan["backend"] == "kvfs":
+        name = "dynamic"
+        extra = {"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang",
+                 "class_name": "KVFSHiCacheStorage", "mount": plan["mount"],
+                 "tenant": plan["tenant"], "interface_v1": 1}
+        extra |= plan.get("extra", {})
+    else:
+        name = "file"
+        extra = {"file_storage_path": plan["dir"]}
+    config = HiCacheStorageConfig(
+        tp_rank=plan.get("tp_rank", 0), tp_size=plan.get("tp_size", 1), pp_rank=0, pp_size=1,
+        attn_cp_rank=0, attn_cp_size=1, is_mla_model=mla, enable_storage_metrics=False,
+        is_page_first_layout=plan["layout"] != "layer_first", model_name=plan["model"],
+        extra_config=extra)
+    backend = StorageBackendFactory.create_backend(name, config, pool)
+    backend.register_mem_pool_host(pool)
+    return backend
+
+
+def page_keys(seed: str, n: int, start: int = 0) -> list[str]:
+    """SGLang-style page keys: a sha256 hex chain (one link per page)."""
+    keys, prev = [], ""
+    for i in range(start + n):
+        prev = hashlib.sha256(f"{prev}:{seed}:{i}".encode()).hexdigest()
+        keys.append(prev)
+    return keys[start:]
+
+
+def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
+    _sglang_first()
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: PLC0415
+
+    pool = _sglang_pool(plan)
+    backend = _sglang_backend(plan, pool)
+    ps, n, seed = plan["page_size"], plan["count"], plan["seed"]
+    keys = page_keys(seed, n)
+    zero_copy = plan.get("zero_copy", plan["backend"] == "kvfs")
+    indices = pool.alloc(n * ps)
+    firsts = [int(i) for i in indices[::ps]]
+    page_bytes = pool.get_dummy_flat_data_page().numel() * pool.dtype.itemsize
+    out: dict[str, Any] = {"page_bytes": page_bytes}
+
+    def page(i: int) -> torch.Tensor:
+        return pool.get_data_page(firsts[i], flat=True)
+
+    def put(lo: int, hi: int) -> bool:
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:lo] or None)
+        if zero_copy:
+            return all(backend.batch_set_v1(keys[lo:hi], indices[lo * ps:hi * ps], info))
+        values = [pool.get_data_page(f, flat=True) for f in firsts[lo:hi]]
+        return bool(backend.batch_set(keys[lo:hi], values))
+
+    def get(lo: int, hi: int) -> int:
+        info = HiCacheStorageExtraInfo(prefix_keys=keys[:lo] or None)
+        if zero_copy:
+            ok = backend.batch_get_v1(keys[lo:hi], indices[lo * ps:hi * ps], info)
+            return ok.index(False) if False in ok else len(ok)
+        dst = [pool.get_dummy_flat_data_page() for _ in range(hi - lo)]
+        got = backend.batch_get(keys[lo:hi], dst)
+        m = next((i for i, g in enumerate(got) if g is None), len(got))
+        for i in range(m):
+            pool.set_from_flat_data_page(firsts[lo + i], got[i])
+        return m
+
+    def batches() -> list[tuple[int, int]]:
+        return [(lo, min(n, lo + STORAGE_BATCH)) for lo in range(0, n, STORAGE_BATCH)]
+
+    for op in plan["ops"]:
+        if op == "put":
+            for i in range(n):  # fill the pool's pages with this plan's bytes
+                src = _seeded(f"{seed}/{i}", page_bytes)
+                pool.set_from_flat_data_page(firsts[i], src.view(pool.dtype))
+            out["put_sha"] = [_sha(page(i)) for i in range(n)]
+            out["put_ok"] = all(put(lo, hi) for lo, hi in batches())
+            out["blocks"] = [key_hash(k).hex() for k in keys]
+        elif op == "exists":
+            out["exists"] = sum(backend.batch_exists(keys[lo:hi]) for lo, hi in batches())
+            out["exists_each"] = [bool(backend.exists(k)) for k in keys]
+        elif op == "get":
+            pool.kv_buffer.zero_()
+            got = 0
+            for lo, hi in batches():
+                m = get(lo, hi)
+                got += m
+                if lo + m < hi:
+                    break
+            out["got"] = got
+            out["get_sha"] = [_sha(page(i)) for i in range(got)]
+        elif op == "bench":
+            def put_all() -> None:
+                if not all(put(lo, hi) for lo, hi in batches()):
+                    raise RuntimeError("a set failed")
+
+            def get_all() -> None:
+                if sum(get(lo, hi) for lo, hi in batches()) != n:
+                    raise RuntimeError("a get missed")
+
+            out["bench"] = _bench(plan, put_all, get_all, n * page_bytes)
+        elif op == "stats":
+            out["stats"] = backend.get_stats()
+        elif op == "clear":
+            out["clear"] = backend.clear()
+    if hasattr(backend, "close"):
+        backend.close()
+    return out
+
+
+def _bench(plan: dict[str, Any], put_all: Any, get_all: Any, total: int
+           ) -> dict[str, float]:
+    """Seconds to set every page, then to get them all warm and cold (median of repeats)."""
+    def timed(fn: Any) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    out = {"bytes": total, "set_s": timed(put_all)}
+    reps = plan.get("repeats", 3)
+    warm, cold = [], []
+    get_all()
+    for _ in range(reps):
+        warm.append(timed(get_all))
+    for _ in range(reps if plan.get("drop_caches") else 0):
+        _drop_caches()
+        cold.append(timed(get_all))
+    out["get_warm_s"] = sorted(warm)[len(warm) // 2]
+    if cold:
+        out["get_cold_s"] = sorted(cold)[len(cold) // 2]
+    return out
+
+
+# -- LMCache -------------------------------------------------------------------------------
+
+
+def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
+    from lmcache.utils import CacheEngineKey  # noqa: PLC0415
+    from lmcache.v1.config import LMCacheEngineConfig  # noqa: PLC0415
+    from lmcache.v1.event_manager import EventManager  # noqa: PLC0415
+    from lmcache.v1.memory_management import MemoryFormat  # noqa: PLC0415
+    from lmcache.v1.metadata import LMCacheMetadata  # noqa: PLC0415
+    from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: PLC0415
+
+    n, seed, chunk = plan["count"], plan["seed"], plan["chunk_size"]
+    layers, heads, hd = plan["layers"], plan["heads"], plan["head_dim"]
+    dtype = getattr(torch, plan["dtype"])
+    chunk_bytes = 2 * layers * chunk * heads * hd * dtype.itemsize
+    cfg: dict[str, Any] = {"chunk_size": chunk, "local_cpu": True,
+                           "max_local_cpu_size": plan.get("cpu_gb", 0.5)}
+    if plan["backend"] == "kvfs":
+        name = "kvfs"
+        cfg |= {"storage_plugins": ["kvfs"], "extra_config": {
+            "storage_plugin.kvfs.module_path": "kvfs.integrations.lmcache",
+            "storage_plugin.kvfs.class_name": "KVFSBackend",
+            "kvfs.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
+            **plan.get("extra", {})}}
+    else:
+        name = "LocalDiskBackend"
+        cfg |= {"local_disk": plan["dir"], "max_local_disk_size": plan.get("disk_gb", 4.0)}
+    metadata = LMCacheMetadata(
+        model_name=plan["model"], world_size=plan.get("world_size", 1), local_world_size=1,
+        worker_id=plan.get("worker_id", 0), local_worker_id=0, kv_dtype=dtype,
+        kv_shape=(layers, 2, chunk, heads, hd), chunk_size=chunk)
+    manager = StorageManager(LMCacheEngineConfig.from_dict(cfg), metadata, EventManager())
+    out: dict[str, Any] = {"backends": list(manager.storage_backends)}
+    backend = manager.storage_backends.get(name)
+    if backend is None:
+        manager.close()
+        out["error"] = f"no {name} backend (see the log)"
+        return out
+    keys = [CacheEngineKey(plan["model"], metadata.world_size, metadata.worker_id,
+                           int(hashlib.sha256(f"{seed}/{i}".encode()).hexdigest()[:15], 16),
+                           dtype) for i in range(n)]
+    shapes, dtypes = metadata.get_shapes(chunk), metadata.get_dtypes()
+
+    def filled() -> list[Any]:
+        objs = [manager.allocate(shapes, dtypes, MemoryFormat.KV_2LTD) for _ in keys]
+        for i, o in enumerate(objs):
+            o.tensor.view(torch.uint8).reshape(-1).copy_(_seeded(f"{seed}/{i}", chunk_bytes))
+        return objs
+
+    def put_via(target: Any, objs: list[Any] | None = None) -> None:
+        objs = objs or filled()
+        if target is manager:
+            manager.batched_put(keys, objs)
+        else:
+            backend.batched_submit_put_task(keys, objs)
+            for o in objs:
+                o.ref_count_down()
+        wait_put()
+
+    def wait_put() -> None:
+        if hasattr(backend, "flush"):
+            backend.flush()
+            return
+        deadline = time.monotonic() + 120
+        while any(backend.exists_in_put_tasks(k) or not backend.contains(k) for k in keys):
+            if time.monotonic() > deadline:
+                raise TimeoutError("puts not done after 120 s")
+            time.sleep(0.01)
+
+    def get_all(keep: bool = False) -> list[Any]:
+        got = backend.batched_get_blocking(keys)
+        if not keep:
+            for o in got:
+                if o is not None:
+                    o.ref_count_down()
+        return got
+
+    for op in plan["ops"]:
+        if op == "put":
+            put_via(manager)
+            out["put_sha"] = [_sha(_seeded(f"{seed}/{i}", chunk_bytes)) for i in range(n)]
+            out["blocks"] = [key_hash(k.to_string()).hex() for k in keys]
+        elif op == "exists":
+            out["exists"] = manager.batched_contains(keys)[0]
+            out["exists_each"] = [bool(backend.contains(k)) for k in keys]
+        elif op == "get":
+            # As LMCache's cache engine retrieves: a prefix lookup across its backends, then
+            # a get from the backend that holds each part of it.
+            _hits, mapping = manager.batched_contains(keys)
+            got = []
+            for location, part in mapping.items():
+                got += manager.batched_get(part, location=location)
+            got += [None] * (n - len(got))
+            m = next((i for i, o in enumerate(got) if o is None), len(got))
+            out["got"] = m
+            out["got_none"] = [o is None for o in got]
+            out["get_sha"] = [_sha(o.tensor) for o in got[:m]]
+            for o in got:
+                if o is not None:
+                    o.ref_count_down()
+        elif op == "bget":  # this backend alone, as LMCache asks each backend in turn
+            got = get_all(keep=True)
+            m = next((i for i, o in enumerate(got) if o is None), len(got))
+            out["got"] = m
+            out["get_sha"] = [_sha(o.tensor) for o in got[:m]]
+            for o in got[:m]:
+                o.ref_count_down()
+        elif op == "sleep":
+            time.sleep(plan.get("sleep", 1.0))
+        elif op == "bench":
+            objs = filled()  # made before the clock starts, as the pages are for SGLang
+            out["bench"] = _bench(plan, lambda objs=objs: put_via(backend, objs), get_all,
+                                  n * chunk_bytes)
+        elif op == "stats":
+            out["stats"] = getattr(getattr(backend, "cache", None), "stats", None)
+    manager.close()
+    return out
+
+
+# -- entry ---------------------------------------------------------------------------------
+
+
+def _check() -> dict[str, Any]:
+    _sglang_first()
+    import lmcache  # noqa: PLC0415
+    import sglang  # noqa: PLC0415
+    from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: F401, PLC0415
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: F401, PLC0415
+    from sglang.srt.mem_cache.storage.backend_factory import (  # noqa: F401, PLC0415
+        StorageBackendFactory,
+    )
+
+    import kvfs.integrations.lmcache  # noqa: F401, PLC0415
+
+    return {"sglang": sglang.__version__, "lmcache": lmcache.__version__,
+            "torch": torch.__version__}
+
+
+def _guarded(run: Any, plan: dict[str, Any]) -> dict[str, Any]:
+    """One plan of several: its error is its answer (a test may expect one)."""
+    try:
+        return run(plan)
+    except Exception as exc:  # noqa: BLE001 - reported to the caller
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def main(argv: list[str]) -> int:
+    what = argv[0] if argv else ""
+    plan = json.loads(argv[1]) if len(argv) > 1 else {}
+    run = {"sglang": _sglang, "lmcache": _lmcache}.get(what)
+    if what == "check":
+        result: Any = _check()
+    elif run is not None:
+        result = [_guarded(run, p) for p in plan] if isinstance(plan, list) else run(plan)
+    else:
+        print("usage: python -m kvfs.integrations.drive check|sglang|lmcache '<plan json>'",
+              file=sys.stderr)
+        return 2
+    sys.stdout.flush()
+    print("\n" + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

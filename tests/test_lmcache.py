@@ -1,0 +1,98 @@
+"""LMCache's storage plugin on kvfs (kvfs.integrations.lmcache), driven through LMCache 0.5.6's
+own StorageManager on CPU: its plugin launcher loads the backend from the configuration the
+docs give (``storage_plugins: ["kvfs"]``), beside its CPU backend, on a real mount; each step
+is a separate process of the engines' venv (tests/enginevenv.py)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from .conftest import Mount, kvfs
+from .enginevenv import block_file, corrupt, drive, engines_python
+from .s3server import s3  # noqa: F401 - the fixture
+
+TENANT = "t"
+N = 6
+
+
+@pytest.fixture(autouse=True)
+def _venv() -> None:
+    engines_python()
+
+
+def plan(m: Mount, seed: str, ops: list[str], **kw: Any) -> dict[str, Any]:
+    return {"backend": "kvfs", "mount": str(m.mnt), "tenant": TENANT, "model": "org/model",
+            "layers": 4, "chunk_size": 16, "heads": 2, "head_dim": 64, "dtype": "bfloat16",
+            "count": N, "seed": seed, "ops": ops} | kw
+
+
+def add_tenant(m: Mount) -> None:
+    kvfs("tenant", "add", str(m.mnt), TENANT, "--uid", "0", "--gid", "0")
+
+
+def namespaces(m: Mount) -> dict[str, dict[str, int]]:
+    return m.stats()["tenants"].get(TENANT, {})
+
+
+def test_round_trip_second_process_corruption_and_bad_config(mount, tmp_path):
+    add_tenant(mount)
+    first = drive("lmcache", [plan(mount, "a", ["put", "exists", "bget"]),
+                              plan(mount, "b", ["put"]),
+                              plan(mount, "x", ["exists"], tenant="nobody")])
+    a, b, bad = first
+    assert "error" not in a, a
+    assert a["backends"] == ["LocalCPUBackend", "kvfs"]
+    assert a["exists"] == N and a["exists_each"] == [True] * N
+    assert a["got"] == N and a["get_sha"] == a["put_sha"]  # from the kvfs backend alone
+    # LMCache's launcher logs a plugin that fails to start and goes on without it.
+    assert bad["backends"] == ["LocalCPUBackend"] and "error" in bad
+
+    # A fresh process (its CPU cache empty) reads through LMCache's own search order.
+    corrupt(block_file(mount.backing / TENANT, a["blocks"][2]))
+    second = drive("lmcache", [plan(mount, "a", ["exists", "get"]),
+                               plan(mount, "b", ["exists", "get"])])
+    assert second[0]["exists"] == N  # the file is there...
+    assert second[0]["got"] == 2 and second[0]["got_none"][2:] == [True] * (N - 2)
+    assert second[0]["get_sha"] == a["put_sha"][:2]  # ...but a corrupt chunk is a miss
+    assert second[1]["got"] == N and second[1]["get_sha"] == b["put_sha"]
+    ns = namespaces(mount)
+    assert len(ns) == 1
+    (c,) = ns.values()
+    assert c["checksum_failures"] >= 1 and c["hit_blocks"] > 0
+
+
+def test_chunks_kvfs_evicted_are_misses(mount_factory):
+    m = mount_factory(extra=["--capacity", "2M"])
+    add_tenant(m)
+    r = drive("lmcache", [plan(m, "old", ["put"], count=20),
+                          plan(m, "new", ["put"], count=100),
+                          plan(m, "x", ["sleep"]),
+                          plan(m, "old", ["exists", "bget"], count=20)])
+    again = r[3]
+    assert "error" not in again, again
+    assert again["exists"] < 20  # kvfs evicted chunks LMCache stored: no KeyError, misses
+    assert again["got"] == again["exists"]
+    assert again["get_sha"] == r[0]["put_sha"][:again["got"]]
+    assert sum(c.get("evictions", 0) for c in namespaces(m).values()) > 0
+
+
+def test_a_second_mount_reads_chunks_through_the_shared_s3_tier(mount_factory, s3):  # noqa: F811
+    extra = ["--shared", s3.url, "--fetch-timeout", "5", "--tier-cooldown", "1"]
+    a, b = mount_factory("a", extra=extra), mount_factory("b", extra=extra)
+    add_tenant(a)
+    add_tenant(b)
+    wrote = drive("lmcache", [plan(a, "shared", ["put"])])[0]
+    client = s3.client()
+    deadline = time.monotonic() + 30
+    while True:
+        keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])]
+        if sum(k.endswith(".kv") for k in keys) >= N:
+            break
+        assert time.monotonic() < deadline, f"chunks never reached the bucket: {keys}"
+        time.sleep(0.2)
+    read = drive("lmcache", [plan(b, "shared", ["exists", "get"])])[0]
+    assert read["exists"] == N and read["got"] == N
+    assert read["get_sha"] == wrote["put_sha"]
