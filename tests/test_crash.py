@@ -12,7 +12,6 @@ import random
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -23,73 +22,15 @@ torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
 
-SPEC = kv.ModelSpec(model="crash/test", revision="1", kv_dtype="float16", block_size=16,
-                    num_layers=2, num_kv_heads=2, head_dim=64)
+from . import kvload  # noqa: E402
 
-WORKER = textwrap.dedent("""
-    import os, random, sys, threading, torch, kvfs as kv
-    from kvfs.client import CacheFull
-    mnt, seed = sys.argv[1], int(sys.argv[2])
-    spec = kv.ModelSpec(model="crash/test", revision="1", kv_dtype="float16", block_size=16,
-                        num_layers=2, num_kv_heads=2, head_dim=64)
+SPEC = kvload.spec("crash/test")
+LOAD = [sys.executable, kvload.__file__]
 
-    def content(hashes):
-        out = torch.empty(len(hashes), *spec.block_shape, dtype=torch.float16)
-        for i, h in enumerate(hashes):
-            g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
-            out[i] = torch.randn(spec.block_shape, generator=g).to(torch.float16)
-        return out
-
-    cache = kv.KVCache.open(mnt, tenant="t", spec=spec)
-    def work(k):
-        rng = random.Random(seed * 100 + k)
-        while True:
-            tokens = [rng.randrange(50) for _ in range(16 * rng.randrange(1, 12))]
-            hashes = cache.block_hashes(tokens)
-            if rng.random() < 0.6:
-                try:
-                    cache.save(hashes, content(hashes))
-                except (CacheFull, OSError):
-                    pass
-            else:
-                n = cache.lookup(hashes)
-                out = torch.zeros(len(hashes), *spec.block_shape, dtype=torch.float16)
-                got = cache.load(hashes[:n], out)
-                if got and not torch.equal(out[:got], content(hashes[:got])):
-                    print("WRONG KV", flush=True)
-                    os._exit(3)
-    for k in range(4):
-        threading.Thread(target=work, args=(k,), daemon=True).start()
-    # And an engine writing through the mount, with temporaries renamed into place.
-    rng = random.Random(seed)
-    ns = os.path.join(mnt, "t", "engine")
-    os.makedirs(ns, exist_ok=True)
-    print("ready", flush=True)
-    while True:
-        name = os.path.join(ns, f"f{rng.randrange(40)}")
-        with open(name + ".tmp", "wb") as f:
-            f.write(os.urandom(rng.randrange(1, 60000)))
-        os.replace(name + ".tmp", name)
-""")
-
-
-def content(hashes):
-    out = torch.empty(len(hashes), *SPEC.block_shape, dtype=torch.float16)
-    for i, h in enumerate(hashes):
-        g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
-        out[i] = torch.randn(SPEC.block_shape, generator=g).to(torch.float16)
-    return out
 
 
 def all_blocks(m) -> list[bytes]:
-    ns = m.backing / "t" / SPEC.namespace
-    found = []
-    for _, _, files in os.walk(ns):
-        for f in files:
-            h = kv.hashing.parse_block_filename(f)
-            if h is not None:
-                found.append(h)
-    return found
+    return kvload.all_blocks(m.backing / "t" / SPEC.namespace)
 
 
 def test_sigkill_at_random_points(mount_factory, tmp_path):
@@ -97,11 +38,10 @@ def test_sigkill_at_random_points(mount_factory, tmp_path):
     m = mount_factory(extra=["--capacity", str(cap), "--high-watermark", "0.9",
                              "--low-watermark", "0.7"])
     kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
     rng = random.Random(7)
     for round_ in range(6):
-        worker = subprocess.Popen([sys.executable, str(script), str(m.mnt), str(round_)],
+        worker = subprocess.Popen([*LOAD, str(m.mnt), str(round_), "t", SPEC.model, "4",
+                                   str(m.mnt / "t" / "engine")],
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert worker.stdout.readline().strip() == "ready", worker.stderr.read()
         time.sleep(rng.uniform(0.2, 1.5))
@@ -122,7 +62,7 @@ def test_sigkill_at_random_points(mount_factory, tmp_path):
             for h in hashes:
                 out = torch.zeros(1, *SPEC.block_shape, dtype=torch.float16)
                 if cache.load([h], out) == 1:
-                    assert torch.equal(out, content([h]))
+                    assert torch.equal(out, kvload.content(SPEC, [h]))
                 else:  # only a block evicted meanwhile (above the high watermark) may miss
                     assert not os.path.exists(cache.path(h))
             assert cache.stats["corrupt_blocks"] == cache.stats["mismatched_blocks"] == 0

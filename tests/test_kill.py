@@ -32,8 +32,9 @@ torch = pytest.importorskip("torch")
 import kvfs as kv  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-SPEC = kv.ModelSpec(model="kill/test", revision="1", kv_dtype="float16", block_size=16,
-                    num_layers=2, num_kv_heads=2, head_dim=64)
+from . import kvload  # noqa: E402
+
+SPEC = kvload.spec("kill/test")
 
 #: Files of the POSIX workload: "KVT1 <id> <size>\n" and then bytes derived from the id, so
 #: that any file can be checked on its own; the journal says which id each name must hold.
@@ -124,48 +125,6 @@ FILES = textwrap.dedent("""
     threading.Event().wait()
 """)
 
-#: The kvfs client: saves and loads that check every loaded block against its content.
-BLOCKS = textwrap.dedent("""
-    import os, random, sys, threading, torch, kvfs as kv
-    from kvfs.client import CacheFull
-    mnt, seed = sys.argv[1], int(sys.argv[2])
-    spec = kv.ModelSpec(model="kill/test", revision="1", kv_dtype="float16", block_size=16,
-                        num_layers=2, num_kv_heads=2, head_dim=64)
-
-    def content(hashes):
-        out = torch.empty(len(hashes), *spec.block_shape, dtype=torch.float16)
-        for i, h in enumerate(hashes):
-            g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
-            out[i] = torch.randn(spec.block_shape, generator=g).to(torch.float16)
-        return out
-
-    cache = kv.KVCache.open(mnt, tenant="kv", spec=spec)
-
-    def work(k):
-        rng = random.Random(seed * 100 + k)
-        while True:
-            tokens = [rng.randrange(50) for _ in range(16 * rng.randrange(1, 12))]
-            hashes = cache.block_hashes(tokens)
-            if rng.random() < 0.6:
-                try:
-                    cache.save(hashes, content(hashes))
-                except OSError:
-                    pass
-            else:
-                n = cache.lookup(hashes)
-                out = torch.zeros(len(hashes), *spec.block_shape, dtype=torch.float16)
-                got = cache.load(hashes[:n], out)
-                if got and not torch.equal(out[:got], content(hashes[:got])):
-                    print("WRONG KV", flush=True)
-                    os._exit(3)
-
-    for k in range(3):
-        threading.Thread(target=work, args=(k,), daemon=True).start()
-    print("ready", flush=True)
-    threading.Event().wait()
-""")
-
-
 def content(ident: str, size: int) -> bytes:
     head = f"KVT1 {ident} {size}\n".encode()
     return head + random.Random(ident).randbytes(max(0, size - len(head)))
@@ -225,35 +184,16 @@ def wait(pred, timeout: float) -> bool:
     return pred()
 
 
-def all_blocks(backing: Path) -> list[bytes]:
-    found = []
-    for _, _, files in os.walk(backing / "kv" / SPEC.namespace):
-        for f in files:
-            h = kv.hashing.parse_block_filename(f)
-            if h is not None:
-                found.append(h)
-    return found
-
-
-def blocks_content(hashes):
-    out = torch.empty(len(hashes), *SPEC.block_shape, dtype=torch.float16)
-    for i, h in enumerate(hashes):
-        g = torch.Generator().manual_seed(int.from_bytes(h[:8], "little"))
-        out[i] = torch.randn(SPEC.block_shape, generator=g).to(torch.float16)
-    return out
-
-
 def kill_round(m, tmp_path: Path, round_: int, rng: random.Random) -> None:
     files_dir = m.mnt / "fs"
     journal = tmp_path / f"journal.{round_}"
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     (tmp_path / "files.py").write_text(FILES)
-    (tmp_path / "blocks.py").write_text(BLOCKS)
     procs = [subprocess.Popen([sys.executable, str(tmp_path / "files.py"), str(files_dir),
                                str(journal), str(round_)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env),
-             subprocess.Popen([sys.executable, str(tmp_path / "blocks.py"), str(m.mnt),
-                               str(round_)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+             subprocess.Popen([sys.executable, kvload.__file__, str(m.mnt), str(round_), "kv",
+                               SPEC.model, "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env)]
     try:
         for p in procs:
@@ -287,12 +227,12 @@ def kill_round(m, tmp_path: Path, round_: int, rng: random.Random) -> None:
         else:
             assert name in present, f"complete file {name} ({ident}) lost"
             assert held_id(files_dir / name) == ident, f"{name} holds an older version"
-    hashes = all_blocks(m.backing)
+    hashes = kvload.all_blocks(m.backing / "kv" / SPEC.namespace)
     with kv.KVCache.open(m.mnt, tenant="kv", spec=SPEC) as cache:
         for h in hashes:
             out = torch.zeros(1, *SPEC.block_shape, dtype=torch.float16)
             if cache.load([h], out) == 1:
-                assert torch.equal(out, blocks_content([h]))
+                assert torch.equal(out, kvload.content(SPEC, [h]))
             else:  # only a block evicted meanwhile (above the high watermark) may miss
                 assert not os.path.exists(cache.path(h))
         assert cache.stats["corrupt_blocks"] == cache.stats["mismatched_blocks"] == 0
