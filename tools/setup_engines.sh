@@ -57,9 +57,11 @@ if ! have "${ENGINES[@]}" "${DEPS[@]}"; then
   echo "setup_engines: installing ${ENGINES[*]} and what their imports need"
   "${pip[@]}" --no-deps "${ENGINES[@]}" "${DEPS[@]}"
 fi
-if ! "$VENV/bin/python" -c "import kvfs.client" 2>/dev/null \
-   || [ "$("$VENV/bin/python" -c 'import kvfs, os; print(os.path.dirname(kvfs.__file__))')" \
-        != "$PWD/kvfs" ]; then
+# Installed (editable) from this checkout: checked from another directory, where the
+# checkout is not on the path by itself.
+root=$PWD
+if ! (cd / && "$root/$VENV/bin/python" -c 'import os, sys, kvfs.client
+sys.exit(os.path.dirname(kvfs.__file__) != sys.argv[1])' "$root/kvfs") 2>/dev/null; then
   echo "setup_engines: installing kvfs (editable)"
   "${pip[@]}" --no-deps -e .
 fi
