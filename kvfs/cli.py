@@ -584,12 +584,14 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
         raise CliError("kvfs bench engine mounts kvfs: it needs /dev/fuse and fusermount3",
                        EXIT_USAGE)
     return engine.main(args)
-def cmd_bench_engines(args: argparse.Namespace) -> int:
-    from .bench import engines  # noqa: PLC0415
+
+
+def cmd_bench_backends(args: argparse.Namespace) -> int:
+    from .bench import backends  # noqa: PLC0415
 
     if args.total_mib < 4 or args.repeats < 1:
         raise CliError("--total-mib must be at least 4 and --repeats at least 1", EXIT_USAGE)
-    return engines.run(args)
+    return backends.run(args)
 
 
 def cmd_bench_degraded(args: argparse.Namespace) -> int:
@@ -838,12 +840,12 @@ def build_parser() -> argparse.ArgumentParser:
     bc.add_argument("--dir", default=".", help="where to put the mount (default: here)")
     add_output_args(bc)
     bc.set_defaults(func=cmd_bench_crossover)
-    be = bsub.add_parser("engines", help="SGLang / LMCache: kvfs's storage backends against "
+    bk = bsub.add_parser("backends", help="SGLang / LMCache: kvfs's storage backends against "
                          "each engine's own file backend (needs .venv-engines)")
-    from .bench.engines import add_args as engines_args  # noqa: PLC0415 - stdlib only
-    engines_args(be)
-    add_output_args(be)
-    be.set_defaults(func=cmd_bench_engines)
+    from .bench.backends import add_args as backends_args  # noqa: PLC0415 - stdlib only
+    backends_args(bk)
+    add_output_args(bk)
+    bk.set_defaults(func=cmd_bench_backends)
 
     be = bsub.add_parser("engine", help="time to first token of a real vLLM: the "
                          "KVFSConnector against recompute and vLLM's ExampleConnector")

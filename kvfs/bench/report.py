@@ -690,8 +690,8 @@ are the connector's own times per request (scheduler lookup; worker read into th
 cache). LMCache's vLLM connector needs CUDA and is not measured; the S3-promoted condition is
 not measured by this subcommand yet (`tests/test_vllm.py` checks that path).""", _engine_table,
          ("tokens", "recompute_ms", "kvfs_warm_ms"), shown=("crossover_tokens",)),
-    Kind("engines", "Engines' storage backends", "kvfs bench engines --out docs/bench", """\
-`kvfs bench engines` (`kvfs/bench/engines.py`): SGLang 0.5.23 HiCache and LMCache 0.5.6, each
+    Kind("backends", "Engines' storage backends", "kvfs bench backends --out docs/bench", """\
+`kvfs bench backends` (`kvfs/bench/backends.py`): SGLang 0.5.23 HiCache and LMCache 0.5.6, each
 driven through its own classes in the engines' venv (`tools/setup_engines.sh`): SGLang's
 storage factory over a real host KV pool (pages of 2 MiB, page-first, bfloat16), LMCache's
 StorageManager (chunks of 4 MiB). For each, the engine's own file backend (HiCacheFile on its

@@ -1,6 +1,6 @@
 """Drive the engines' own classes against a storage backend, in a process of the engines' venv.
 
-Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs bench engines``,
+Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs bench backends``,
 which run ``<venv>/bin/python -m kvfs.integrations.drive <engine> '<json plan>'`` and read one
 JSON object from the last line of its output. A plan says which backend (``kvfs``, or the
 engine's own file backend on a directory), which pages or chunks (a seed, a count, a page

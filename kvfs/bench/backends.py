@@ -1,4 +1,4 @@
-"""``kvfs bench engines``: SGLang HiCache and LMCache storage backends, kvfs's against each
+"""``kvfs bench backends``: SGLang HiCache and LMCache storage backends, kvfs's against each
 engine's own file backend, on the same data.
 
 For each engine, in one process of the engines' venv (``.venv-engines``, built by
@@ -51,7 +51,7 @@ def _log(msg: str) -> None:
 def engines_python() -> str:
     py = os.path.join(ROOT, ".venv-engines", "bin", "python")
     if not os.path.exists(py):
-        raise SystemExit("kvfs bench engines: no .venv-engines (run tools/setup_engines.sh)")
+        raise SystemExit("kvfs bench backends: no .venv-engines (run tools/setup_engines.sh)")
     return py
 
 
@@ -60,11 +60,11 @@ def _drive(engine: str, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
                           json.dumps(plans)], cwd=ROOT, capture_output=True, text=True)
     lines = res.stdout.strip().splitlines()
     if res.returncode != 0 or not lines:
-        raise SystemExit(f"kvfs bench engines: the {engine} run failed:\n{res.stderr[-4000:]}")
+        raise SystemExit(f"kvfs bench backends: the {engine} run failed:\n{res.stderr[-4000:]}")
     out = json.loads(lines[-1])
     for p, r in zip(plans, out, strict=True):
         if "error" in r:
-            raise SystemExit(f"kvfs bench engines: {engine} {p['backend']} on {p.get('dir')}:"
+            raise SystemExit(f"kvfs bench backends: {engine} {p['backend']} on {p.get('dir')}:"
                              f" {r['error']}")
     return out
 
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
         subprocess.run([*KVFS, "umount", mnt], capture_output=True)
         shutil.rmtree(work, ignore_errors=True)
     cond["load"] = "this machine is shared and was loaded by other work during the run"
-    record = {"benchmark": "engines", "conditions": cond, "rows": rows, "results": raw,
+    record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
                          "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
     return finish(record, args, _table(rows))
