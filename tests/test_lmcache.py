@@ -5,7 +5,6 @@ is a separate process of the engines' venv (tests/enginevenv.py)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -88,14 +87,7 @@ def test_a_second_mount_reads_chunks_through_the_shared_s3_tier(mount_factory, s
     add_tenant(a)
     add_tenant(b)
     wrote = drive("lmcache", [plan(a, "shared", ["put"])])[0]
-    client = s3.client()
-    deadline = time.monotonic() + 30
-    while True:
-        keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])]
-        if sum(k.endswith(".kv") for k in keys) >= N:
-            break
-        assert time.monotonic() < deadline, f"chunks never reached the bucket: {keys}"
-        time.sleep(0.2)
+    s3.wait_for_blocks(N)
     read = drive("lmcache", [plan(b, "shared", ["exists", "get"])])[0]
     assert read["exists"] == N and read["got"] == N
     assert read["get_sha"] == wrote["put_sha"]

@@ -6,7 +6,6 @@ separate process of the engines' venv (tests/enginevenv.py)."""
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import pytest
@@ -105,14 +104,7 @@ def test_a_second_mount_reads_pages_through_the_shared_s3_tier(mount_factory, s3
     add_tenant(a)
     add_tenant(b)
     wrote = drive("sglang", [plan(a, "shared", ["put"])])[0]
-    client = s3.client()
-    deadline = time.monotonic() + 30
-    while True:
-        keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])]
-        if sum(k.endswith(".kv") for k in keys) >= N:
-            break
-        assert time.monotonic() < deadline, f"pages never reached the bucket: {keys}"
-        time.sleep(0.2)
+    s3.wait_for_blocks(N)
     read = drive("sglang", [plan(b, "shared", ["exists", "get"])])[0]
     assert read["exists"] == N and read["got"] == N
     assert read["get_sha"] == wrote["put_sha"]
