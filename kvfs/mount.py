@@ -142,16 +142,11 @@ async def widen_read_ahead(mountpoint: str, kb: int) -> None:
 def set_read_ahead(mountpoint: str, kb: int) -> bool:
     """Set the read-ahead of the bdi behind `mountpoint` (found through /proc/self/mountinfo:
     a stat of the mount point would be a request to this very daemon); True if it holds."""
-    dev = None
+    fields = watchdog.mount_fields(mountpoint)
     try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and fields[4] == mountpoint:
-                    dev = fields[2]  # major:minor; the last match is the newest mount
-        if dev is None:
+        if fields is None:
             return False
-        path = f"/sys/class/bdi/{dev}/read_ahead_kb"
+        path = f"/sys/class/bdi/{fields[2]}/read_ahead_kb"
         with open(path, "w") as f:
             f.write(str(kb))
         with open(path) as f:

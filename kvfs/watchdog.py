@@ -69,45 +69,48 @@ def clean_stop(wfd: int | None) -> None:
         os.close(wfd)
 
 
-def mount_device(mountpoint: str) -> str | None:
-    """MOUNT_ID:MAJOR:MINOR of the newest mount at `mountpoint` (from /proc/self/mountinfo:
-    a stat of the mount point would be a request to a daemon that may be dead)."""
-    dev = None
+def mount_fields(mountpoint: str) -> list[str] | None:
+    """The /proc/self/mountinfo fields of the newest mount at `mountpoint` (not a stat of the
+    mount point: that would be a request to a daemon that may be dead, or this very one)."""
+    found = None
     try:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
                 if len(fields) > 4 and fields[4] == mountpoint:
-                    dev = f"{fields[0]}:{fields[2]}"
+                    found = fields  # the last match is the newest mount
     except OSError:
         return None
-    return dev
+    return found
 
 
-def _thread_alive(tid: int) -> bool:
-    """Whether thread `tid` (a process's main thread: its pid) is running, not a zombie."""
+def mount_device(mountpoint: str) -> str | None:
+    """MOUNT_ID:MAJOR:MINOR of the newest mount at `mountpoint`."""
+    fields = mount_fields(mountpoint)
+    return None if fields is None else f"{fields[0]}:{fields[2]}"
+
+
+def _running(stat_path: str) -> bool:
+    """Whether the thread whose /proc stat file this is runs (not a zombie, not dead)."""
     try:
-        with open(f"/proc/{tid}/stat", "rb") as f:
+        with open(stat_path, "rb") as f:
             return f.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
     except (OSError, IndexError):
         return False
 
 
-def _alive(pid: int) -> bool:
+def _thread_alive(tid: int) -> bool:
+    """Whether thread `tid` (a process's main thread: its pid) is running, not a zombie."""
+    return _running(f"/proc/{tid}/stat")
+
+
+def alive(pid: int) -> bool:
     """Whether any thread of process `pid` is still running (not a zombie)."""
     try:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                state = f.read().rpartition(b")")[2].split()[0]
-        except (OSError, IndexError):
-            continue
-        if state not in (b"Z", b"X"):
-            return True
-    return False
+    return any(_running(f"/proc/{pid}/task/{tid}/stat") for tid in tids)
 
 
 def _say(text: str) -> None:
@@ -156,9 +159,9 @@ def watch(daemon: int, mountpoint: str, dev: str) -> int:
          "connection and detaching the mount")
     _abort(dev)
     deadline = time.monotonic() + EXIT_WAIT
-    while _alive(daemon) and time.monotonic() < deadline:
+    while alive(daemon) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if _alive(daemon):
+    if alive(daemon):
         _say(f"the daemon (pid {daemon}) is still there; leaving {mountpoint} mounted")
         return 1
     if mount_device(mountpoint) == dev:

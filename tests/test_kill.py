@@ -30,6 +30,7 @@ from .conftest import force_unmount, kvfs
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
+from kvfs import watchdog  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 from . import kvload  # noqa: E402
@@ -156,18 +157,7 @@ def expected(journal: Path) -> tuple[dict[str, str], set[str]]:
 
 def threads_alive(pid: int) -> bool:
     """Whether any thread of process `pid` still runs (a zombie has ended)."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return False
-    for tid in tids:
-        try:
-            state = Path(f"/proc/{pid}/task/{tid}/stat").read_bytes().rpartition(b")")[2]
-        except OSError:
-            continue
-        if state.split()[0] not in (b"Z", b"X"):
-            return True
-    return False
+    return watchdog.alive(pid)
 
 
 def mounted(mnt: Path) -> bool:
