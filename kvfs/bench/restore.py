@@ -251,37 +251,18 @@ def _by_request(blocks: Blocks, one: Callable[[range], None]) -> Run:
 def raw_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int) -> Run:
     """Each of ``threads`` threads (the caller and ``threads - 1`` of the pool) takes the next
     file of the request: open, one preadv of the whole file, close."""
-    from ..transport import preadv_all  # noqa: PLC0415
-
-    def read(i: int) -> None:
-        fd = os.open(blocks.paths[i], os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            if preadv_all(fd, [blocks.raw_views[i]], 0) != blocks.file_bytes:
-                raise OSError(f"{blocks.paths[i]}: short read")
-        finally:
-            os.close(fd)
-
-    def one(req: range) -> None:
-        todo = iter(req)
-
-        def work() -> None:
-            for i in todo:
-                read(i)
-
-        futures = [pool.submit(work) for _ in range(min(threads, len(req)) - 1)]
-        try:
-            work()
-        finally:
-            wait(futures)
-        for f in futures:
-            f.result()
-    return _by_request(blocks, one)
+    return _threaded_read(blocks, pool, threads, hashed=False)
 
 
 def verified_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int) -> Run:
     """The honest baseline of a verified read: as :func:`raw_read`, and each thread hashes
     each file's bytes with one xxh3_64 pass over the buffer it read them into, right after
     the read (while they may still be in its core's cache)."""
+    return _threaded_read(blocks, pool, threads, hashed=True)
+
+
+def _threaded_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int, *, hashed: bool
+                   ) -> Run:
     import xxhash  # noqa: PLC0415
 
     from ..transport import preadv_all  # noqa: PLC0415
@@ -293,7 +274,8 @@ def verified_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int) -> Run
                 raise OSError(f"{blocks.paths[i]}: short read")
         finally:
             os.close(fd)
-        xxhash.xxh3_64_intdigest(blocks.raw_views[i])
+        if hashed:
+            xxhash.xxh3_64_intdigest(blocks.raw_views[i])
 
     def one(req: range) -> None:
         todo = iter(req)
