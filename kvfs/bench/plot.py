@@ -136,19 +136,21 @@ def _hitrate(record: dict[str, Any], plt: Any) -> Any:
     return fig
 
 
-def _crossover(record: dict[str, Any], plt: Any) -> Any:
+def _ttft(record: dict[str, Any], plt: Any, lines: tuple[tuple[str, str, str], ...],
+          winner: str, heading: str) -> Any:
+    """Time to first token against context length: a line per (row key, label, style), the
+    crossover marked."""
     rows = rows_of(record)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("recompute_ms", "recompute (prefill of every token)", "o-"),
-                              ("restore_ms", "restore from kvfs + prefill of the tail", "s-")):
+    for key, label, style in lines:
         pts = sorted((number(r.get("tokens")), number(r.get(key))) for r in rows
                      if (number(r.get("tokens")) or 0) > 0 and (number(r.get(key)) or 0) > 0)
         if pts:
             ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
     cross = number(record.get("crossover_tokens"))
     if cross:
-        ax.axvline(cross, color="tab:red", linestyle=":", label=f"restore wins from {cross:g} "
-                   "tokens")
+        ax.axvline(cross, color="tab:red", linestyle=":", label=f"{winner} wins from "
+                   f"{cross:g} tokens")
     ax.set_xscale("log", base=2)
     data_ticks(ax, [number(r.get("tokens")) for r in rows])
     ax.set_yscale("log")
@@ -156,38 +158,27 @@ def _crossover(record: dict[str, Any], plt: Any) -> Any:
     ax.set_ylabel("time to first token (ms)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
-    ax.set_title(title(record, "kvfs bench crossover: time to first token, page cache "
-                               f"{record.get('page_cache', '?')}"), fontsize=9)
+    ax.set_title(title(record, heading), fontsize=9)
     return fig
+
+
+def _crossover(record: dict[str, Any], plt: Any) -> Any:
+    return _ttft(record, plt, (
+        ("recompute_ms", "recompute (prefill of every token)", "o-"),
+        ("restore_ms", "restore from kvfs + prefill of the tail", "s-")), "restore",
+        "kvfs bench crossover: time to first token, page cache "
+        f"{record.get('page_cache', '?')}")
 
 
 def _engine(record: dict[str, Any], plt: Any) -> Any:
     """TTFT against context length, a line per condition (recompute, kvfs warm and cold,
     ExampleConnector)."""
-    rows = rows_of(record)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label, style in (("recompute_ms", "recompute (no connector)", "o-"),
-                              ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
-                              ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
-                              ("example_ms", "vLLM ExampleConnector", "^-")):
-        pts = sorted((number(r.get("tokens")), number(r.get(key))) for r in rows
-                     if (number(r.get("tokens")) or 0) > 0 and (number(r.get(key)) or 0) > 0)
-        if pts:
-            ax.plot([x for x, _ in pts], [y for _, y in pts], style, label=label)
-    cross = number(record.get("crossover_tokens"))
-    if cross:
-        ax.axvline(cross, color="tab:red", linestyle=":", label=f"kvfs wins from {cross:g} "
-                   "tokens")
-    ax.set_xscale("log", base=2)
-    data_ticks(ax, [number(r.get("tokens")) for r in rows])
-    ax.set_yscale("log")
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("time to first token (ms)")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
-    ax.set_title(title(record, f"kvfs bench engine: vLLM + {record.get('model', '?')}"),
-                 fontsize=9)
-    return fig
+    return _ttft(record, plt, (
+        ("recompute_ms", "recompute (no connector)", "o-"),
+        ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
+        ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
+        ("example_ms", "vLLM ExampleConnector", "^-")), "kvfs",
+        f"kvfs bench engine: vLLM + {record.get('model', '?')}")
 
 
 def _restore(record: dict[str, Any], plt: Any) -> Any:
