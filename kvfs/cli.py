@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from . import __version__
+from . import __version__, control
 from .config import ConfigError, load, parse_size
 from .policy import DEFAULT_POLICY, POLICIES
 
@@ -392,7 +392,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
         for f in files:
             p = os.path.join(d, f)
             try:
-                if os.getxattr(p, "user.kvfs.tier") != b"hot":
+                if os.getxattr(p, control.TIER) != b"hot":
                     todo.append(p)
             except OSError as exc:
                 raise CliError(f"{p}: {exc.strerror} (is {args.path} in a kvfs mount?)") from None
@@ -425,7 +425,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
             paths = [os.path.join(d, f) for d, _, files in os.walk(top) for f in files]
         for path in paths:
             try:
-                os.setxattr(path, "user.kvfs.pin", value)
+                os.setxattr(path, control.PIN, value)
             except OSError as exc:
                 raise CliError(f"cannot {'un' if args.unpin else ''}pin {path}: "
                                f"{exc.strerror}") from None

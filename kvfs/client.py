@@ -63,7 +63,8 @@ import torch
 from . import blockfile, control, devsum
 from .hashing import ROOT_PARENT, ModelSpec
 from .hashing import block_hashes as _block_hashes
-from .store import TEMP_PREFIX
+from .layout import MANIFEST as _MANIFEST
+from .layout import TEMP_PREFIX
 from .transport import (
     OpenBlock,
     PosixTransport,
@@ -77,9 +78,9 @@ from .transport import select as select_transport
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
-BACKING_XATTR = "user.kvfs.backing"
-TIERS_XATTR = "user.kvfs.tiers"
+MANIFEST = os.fsdecode(_MANIFEST)
+BACKING_XATTR = os.fsdecode(control.BACKING)
+TIERS_XATTR = os.fsdecode(control.TIERS)
 #: verify="sampled" checksums the blocks whose hash's last byte is a multiple of this.
 SAMPLE_EVERY = 8
 #: The soft open-file limit a client raises itself to (within the hard limit).

@@ -28,12 +28,32 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+#: Every kvfs attribute name starts so; the daemon answers them, the kernel never stores them.
+XATTR_PREFIX = b"user.kvfs."
+
+# Commands (setxattr on a directory).
 PUBLISH = b"user.kvfs.publish"
 ACCESS = b"user.kvfs.access"
 CORRUPT = b"user.kvfs.corrupt"
 FETCH = b"user.kvfs.fetch"
 PREFETCH = b"user.kvfs.prefetch"
 COMMANDS = (PUBLISH, ACCESS, CORRUPT, FETCH, PREFETCH)
+
+# Queries (getxattr on any node): what the daemon knows of it.
+TIER = b"user.kvfs.tier"  #: the tier that holds a file: hot or a lower tier's name
+BACKING = b"user.kvfs.backing"  #: the node's path in the backing tree (the direct path)
+TIERS = b"user.kvfs.tiers"  #: on a directory: the lower tiers' names, comma-separated
+BLOCK_HASH = b"user.kvfs.block_hash"  #: a block's own hash, hex
+PARENT_HASH = b"user.kvfs.parent_hash"  #: the hash of the block before it in the chain, hex
+USED = b"user.kvfs.used"  #: on a tenant directory: bytes it holds
+
+# Settings (setxattr / getxattr / removexattr).
+PIN = b"user.kvfs.pin"  #: on a file or directory: exempt from eviction and retention
+
+
+def limit_name(key: str) -> bytes:
+    """The attribute of one per-directory limit (a `kvfs.capacity.Limits` field)."""
+    return XATTR_PREFIX + key.encode()
 
 HASH_LEN = 16
 XATTR_MAX = 65536

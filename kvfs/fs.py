@@ -33,6 +33,7 @@ from . import __version__, blockfile, control, fsck, hashing
 from .audit import Audit
 from .capacity import UNLIMITED, Budget, Limits, fair_shares, quota_overflow, room_order
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
+from .layout import MANIFEST, STATE_DIR
 from .policy import DEFAULT_POLICY, Policy, policy_by_name
 from .stats import Key, Stats
 from .store import BackingStore
@@ -58,10 +59,9 @@ CREATE_WINDOW = 2.0
 VDIR = 2
 VSTATS = 3
 VVERSION = 4
-VDIR_NAME = b".kvfs"
+VDIR_NAME = STATE_DIR
 VFILES = {b"stats.json": VSTATS, b"version": VVERSION}
 
-XATTR_PREFIX = b"user.kvfs."
 
 T = TypeVar("T")
 
@@ -96,8 +96,6 @@ def _check_name(name: bytes) -> None:
         raise FUSEError(errno.EINVAL)
 
 
-#: The file the client keeps in each model namespace (see kvfs.client.MANIFEST).
-MANIFEST_NAME = b"manifest.json"
 
 
 @dataclass(slots=True)
@@ -292,7 +290,7 @@ class Operations(pyfuse3.Operations):
     def _is_manifest(node: Node) -> bool:
         """A namespace's manifest (the spec its blocks were written for): a few hundred bytes
         that capacity eviction leaves alone (retention still ages it out with its blocks)."""
-        return node.parent == node.ns and node.name == MANIFEST_NAME
+        return node.parent == node.ns and node.name == MANIFEST
 
     def _cold(self, tenant: int) -> int:
         """How many of a tenant's hot files have no entry in its policy."""
@@ -1770,25 +1768,25 @@ class Operations(pyfuse3.Operations):
             return "hot"
         return self.tiering.tiers[tier - 1].name
 
-    LIMIT_XATTRS = {b"user.kvfs." + n.encode(): n for n in Limits.names()}
-    PIN = b"user.kvfs.pin"
+    LIMIT_XATTRS = {control.limit_name(n): n for n in Limits.names()}
+    PIN = control.PIN
 
     def _kvfs_xattrs(self, node: Node) -> dict[bytes, bytes]:
-        out = {b"user.kvfs.tier": self._tier_name(node.tier).encode()}
+        out = {control.TIER: self._tier_name(node.tier).encode()}
         if node.inode != ROOT_INODE:
-            out[b"user.kvfs.backing"] = self.store.path(self._path(node))
+            out[control.BACKING] = self.store.path(self._path(node))
         if node.is_dir and self.tiering is not None:
-            out[b"user.kvfs.tiers"] = ",".join(t.name for t in self.tiering.tiers).encode()
+            out[control.TIERS] = ",".join(t.name for t in self.tiering.tiers).encode()
         if node.block_hash is not None:
-            out[b"user.kvfs.block_hash"] = node.block_hash.hex().encode()
-            out[b"user.kvfs.parent_hash"] = (node.parent_hash or b"").hex().encode()
+            out[control.BLOCK_HASH] = node.block_hash.hex().encode()
+            out[control.PARENT_HASH] = (node.parent_hash or b"").hex().encode()
         if node.pinned:
             out[self.PIN] = b"1"
         if node.inode == node.tenant:
             limits = self.limits.get(node.inode, Limits())
             for xname, name in self.LIMIT_XATTRS.items():
                 out[xname] = limits.render(name).encode()
-            out[b"user.kvfs.used"] = str(self.stats.tenant_bytes(node.inode)).encode()
+            out[control.USED] = str(self.stats.tenant_bytes(node.inode)).encode()
         return out
 
     @handler
@@ -1800,7 +1798,7 @@ class Operations(pyfuse3.Operations):
         if inode < 1000 and inode != ROOT_INODE:
             raise FUSEError(pyfuse3.ENOATTR)
         node = self.index.get(inode)
-        if name.startswith(XATTR_PREFIX):
+        if name.startswith(control.XATTR_PREFIX):
             value = self._kvfs_xattrs(node).get(name)
             if value is None:
                 raise FUSEError(pyfuse3.ENOATTR)
@@ -1832,7 +1830,7 @@ class Operations(pyfuse3.Operations):
             await self._set_limit(node, self.LIMIT_XATTRS[name], value, ctx)
             self._audit(ctx.uid, ctx.pid, node, "limit", limit=self.LIMIT_XATTRS[name],
                         value=value.decode(errors="replace"))
-        elif name.startswith(XATTR_PREFIX):
+        elif name.startswith(control.XATTR_PREFIX):
             raise FUSEError(errno.EPERM)  # kvfs's own attributes are read-only
         else:
             await self._io(self.store.setxattr, self._path(node), name, value, tenant=node.tenant)
@@ -1846,7 +1844,7 @@ class Operations(pyfuse3.Operations):
             await self._pin(node, False)
         elif name in self.LIMIT_XATTRS:
             await self._set_limit(node, self.LIMIT_XATTRS[name], b"none", ctx)
-        elif name.startswith(XATTR_PREFIX):
+        elif name.startswith(control.XATTR_PREFIX):
             raise FUSEError(errno.EPERM)
         else:
             await self._io(self.store.removexattr, self._path(node), name, tenant=node.tenant)

@@ -30,7 +30,8 @@ from dataclasses import dataclass, field
 
 from . import blockfile, hashing
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, ensure_root
-from .store import STATE_DIR, TEMP_PREFIX, BackingStore
+from .layout import STATE_DIR, TEMP_PREFIX
+from .store import BackingStore
 
 log = logging.getLogger(__name__)
 

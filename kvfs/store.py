@@ -28,19 +28,9 @@ from collections.abc import Iterator
 from . import backing, blockfile
 from .capacity import Limits
 from .config import ConfigError
+from .layout import PINS_MARK, QUARANTINE, STAGING, STATE_DIR, TEMP_PREFIX
 
 log = logging.getLogger(__name__)
-
-#: Where the daemon keeps its own state inside the backing root (index, lock, log,
-#: quarantine). Never a tenant: tenant names cannot start with a dot.
-STATE_DIR = b".kvfs"
-#: Prefix of temporaries that the direct path writes before renaming into place.
-TEMP_PREFIX = b".kvfs-tmp."
-#: Bad files are moved here, below STATE_DIR.
-QUARANTINE = b"quarantine"
-#: Fetched blocks are received and verified here, below STATE_DIR (root's alone), then
-#: renamed into their verified directory: never through a path a tenant can redirect.
-STAGING = b"staging"
 
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -58,9 +48,6 @@ def renameat2(old: bytes, new: bytes, flags: int) -> None:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), old)
 
-
-#: On a backing directory: some file in it is (or was) pinned.
-PINS_MARK = b"trusted.kvfs.pins"
 
 _KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
 

@@ -31,7 +31,8 @@ from typing import Any
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 from .config import ConfigError
-from .store import RENAME_NOREPLACE, TEMP_PREFIX, renameat2
+from .layout import TEMP_PREFIX
+from .store import RENAME_NOREPLACE, renameat2
 
 log = logging.getLogger(__name__)
 

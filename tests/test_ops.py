@@ -284,7 +284,7 @@ def _foreign_tree(backing) -> dict:
     """A backing tree no index has seen: a tenant with a model namespace of blocks (one of
     them bad), plain files, a symlink, a temporary and nested directories."""
     from kvfs import blockfile, hashing
-    from kvfs.store import TEMP_PREFIX
+    from kvfs.layout import TEMP_PREFIX
 
     ns = backing / "acme" / "llama@0123456789abcdef"
     blocks = []
@@ -366,7 +366,7 @@ def _walk(ops, inode=ROOT_INODE, path=b""):
 
 
 def test_adopted_tree_is_listed_when_first_named(adopted):
-    from kvfs.store import TEMP_PREFIX
+    from kvfs.layout import TEMP_PREFIX
 
     ops, tree = adopted
     tenant = ops.index.lookup(ROOT_INODE, b"acme")
@@ -430,7 +430,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
 def test_adopted_tree_is_indexed_in_the_background(adopted):
     import time
 
-    from kvfs.store import TEMP_PREFIX
+    from kvfs.layout import TEMP_PREFIX
 
     ops, tree = adopted
     ops.LIST_CHUNK = 7  # several transactions per directory
