@@ -432,6 +432,18 @@ def decode(data: bytes | bytearray | memoryview, *, sums: bool = False
     return h, payload
 
 
+def check_head(head: bytes | bytearray | memoryview, size: int,
+               block_hash: bytes | None = None) -> BlockHeader:
+    """The one check of a block file from its first bytes and its size, without reading its
+    payload: a valid header, a size that matches it and, where given, the hash its name
+    promises. Raises :class:`BlockFormatError` (reason ``mismatch`` for the hash)."""
+    h = decode_header(head)
+    verify_file_size(h, size)
+    if block_hash is not None and h.block_hash != bytes(block_hash):
+        raise BlockFormatError("mismatch", f"header names block {h.block_hash.hex()}")
+    return h
+
+
 def check(
     h: BlockHeader,
     *,

@@ -1575,11 +1575,7 @@ class Operations(pyfuse3.Operations):
                         self._path(node).decode(errors="replace"), exc)
             return
         try:
-            hdr = blockfile.decode_header(head)
-            blockfile.verify_file_size(hdr, size)
-            if hdr.block_hash != block_hash:
-                raise blockfile.BlockFormatError(
-                    "mismatch", f"header names block {hdr.block_hash.hex()}")
+            hdr = blockfile.check_head(head, size, block_hash)
         except blockfile.BlockFormatError as exc:
             log.warning("%s is named as a block but is not one (%s): kept as a plain file",
                         self._path(node).decode(errors="replace"), exc)
@@ -1929,8 +1925,7 @@ class Operations(pyfuse3.Operations):
             try:
                 # One verified fd: the header and the stat are of the same regular file.
                 head, st = self.store.head(rel, blockfile.HEADER_SIZE)
-                hdr = blockfile.decode_header(head)
-                blockfile.verify_file_size(hdr, st.st_size)
+                hdr = blockfile.check_head(head, st.st_size)
                 p = hdr.parent_hash
                 parent = p == hashing.ROOT_PARENT or self._is_file(
                     self._join(dpath, hashing.block_relpath(p).encode()))

@@ -146,21 +146,19 @@ class Reconciler:
                 data = (self.store.read_block_at(dirfd, name) if dirfd is not None
                         else self.store.read_block(rel))
                 hdr, _ = blockfile.decode(data)
+                blockfile.check(hdr, block_hash=block_hash)
                 self.report.blocks_verified += 1
             else:
                 head, st = (self.store.head_at(dirfd, name, blockfile.HEADER_SIZE)
                             if dirfd is not None else
                             self.store.head(rel, blockfile.HEADER_SIZE))
-                hdr = blockfile.decode_header(head)
-                blockfile.verify_file_size(hdr, st.st_size)
-            if hdr.block_hash != block_hash:
-                raise ValueError(f"header names block {hdr.block_hash.hex()}")
+                hdr = blockfile.check_head(head, st.st_size, block_hash)
         except FileNotFoundError:
             raise
         except OSError as exc:
             log.warning("not indexing %s: %s", self._show(rel), exc)
             raise FileNotFoundError(errno.ENOENT, "not a regular file any more", rel) from exc
-        except (blockfile.BlockFormatError, ValueError) as exc:
+        except blockfile.BlockFormatError as exc:
             if not quarantine:
                 return str(exc)
             self.quarantine(rel, str(exc))

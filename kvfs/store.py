@@ -382,8 +382,7 @@ class BackingStore:
         header that promises more than the file holds (or a file larger than its header
         says) is a BlockFormatError before anything more is read."""
         head = self._pread_all(fd, min(blockfile.HEADER_SIZE, size))
-        hdr = blockfile.decode_header(head)
-        blockfile.verify_file_size(hdr, size)
+        hdr = blockfile.check_head(head, size)
         return head + self._pread_all(fd, hdr.file_size - len(head), len(head))
 
     def read_block(self, rel: bytes) -> bytes:

@@ -147,9 +147,7 @@ def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int]) -> Fetch
     with open(tmp, "rb") as f:
         data = f.read()
     hdr, _ = blockfile.decode(data)  # header, size, checksum, padding
-    expected = hashing.parse_block_filename(name)
-    if expected is not None and hdr.block_hash != expected:
-        raise blockfile.BlockFormatError("mismatch", f"{key} holds block {hdr.block_hash.hex()}")
+    blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
     uid, gid, mode = owner
     os.chown(tmp, uid, gid)
     os.chmod(tmp, mode)
