@@ -647,10 +647,10 @@ def test_one_tenant_cannot_take_every_io_thread(tmp_path):
     async def main() -> bool:
         async with trio.open_nursery() as nursery:
             for _ in range(20):  # far more stuck calls than threads
-                nursery.start_soon(lambda: ops._io(release.wait, tenant=1001))
+                nursery.start_soon(lambda: ops.tree.io(release.wait, tenant=1001))
             await trio.sleep(0.5)
             with trio.move_on_after(DEADLINE):
-                await ops._io(lambda: None, tenant=1002)
+                await ops.tree.io(lambda: None, tenant=1002)
                 release.set()
                 return True
             release.set()

@@ -370,13 +370,13 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
 
     ops, tree = adopted
     tenant = ops.index.lookup(ROOT_INODE, b"acme")
-    assert ops.unlisted == {tenant.inode}
+    assert ops.adoption.unlisted == {tenant.inode}
     assert ops.stats.total_files == 0  # nothing below the tenant is indexed yet
 
     async def go():
         # A lookup indexes the one name it asks for (one lstat), not the directory.
         ns = await ops.lookup(tenant.inode, b"llama@0123456789abcdef", ROOT)
-        assert ns.st_ino in ops.unlisted and tenant.inode in ops.unlisted
+        assert ns.st_ino in ops.adoption.unlisted and tenant.inode in ops.adoption.unlisted
         assert ops.index.lookup(tenant.inode, b"a") is None
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.lookup(tenant.inode, b"nothing", ROOT)
@@ -391,7 +391,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         assert await ops.readlink(link.st_ino, ROOT) == b"b/c/f1"
         b = await ops.lookup(a.st_ino, b"b", ROOT)
         c = await ops.lookup(b.st_ino, b"c", ROOT)
-        assert c.st_ino in ops.unlisted and ops.index.children(c.st_ino) == []
+        assert c.st_ino in ops.adoption.unlisted and ops.index.children(c.st_ino) == []
         f3 = await ops.lookup(c.st_ino, b"f3", ROOT)
         assert f3.st_size == 3 and ops.stats.total_files == 1
         # A change to an unlisted directory lists it whole first: creating a name the
@@ -399,7 +399,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.create(c.st_ino, b"f5", 0o644, os.O_WRONLY | os.O_EXCL, ROOT)
         assert e.value.errno == errno.EEXIST
-        assert c.st_ino not in ops.unlisted and len(ops.index.children(c.st_ino)) == 50
+        assert c.st_ino not in ops.adoption.unlisted and len(ops.index.children(c.st_ino)) == 50
         assert ops.stats.total_files == 50 and ops.stats.used_bytes == sum(range(50))
         # Renaming over a name replaces it (and accounts for it).
         await ops.rename(c.st_ino, b"f3", c.st_ino, b"f4", 0, ROOT)
@@ -408,7 +408,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         with pytest.raises(pyfuse3.FUSEError) as e:
             await ops.rmdir(tenant.inode, b"llama@0123456789abcdef", ROOT)
         assert e.value.errno == errno.ENOTEMPTY
-        assert ns.st_ino not in ops.unlisted  # listed to know
+        assert ns.st_ino not in ops.adoption.unlisted  # listed to know
 
     run(go)
     assert ops.stats.total_files == 49  # (only c's files are indexed so far)
@@ -419,7 +419,7 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
         assert str(p.relative_to(p.parents[3])).encode() in paths
     assert not any(p.endswith(b"ee" * 16 + b".kv") for p in paths)
     assert not tree["bad"].exists()
-    assert not ops.unlisted and ops.index.unlisted() == []
+    assert not ops.adoption.unlisted and ops.index.unlisted() == []
     assert ops.stats.total_files == tree["files"] - 1  # f3 was renamed over f4
     assert ops.stats.used_bytes == tree["bytes"] - 4
     # The index now equals what a full fsck builds: a full fsck finds nothing to change.
@@ -433,7 +433,7 @@ def test_adopted_tree_is_indexed_in_the_background(adopted):
     from kvfs.layout import TEMP_PREFIX
 
     ops, tree = adopted
-    ops.LIST_CHUNK = 7  # several transactions per directory
+    ops.adoption.LIST_CHUNK = 7  # several transactions per directory
     # A temporary written after the mount began is a write under way: left alone.
     time.sleep(0.05)  # (file times come from a coarser clock)
     fresh = ops.store.path(b"acme/a/b/c/" + TEMP_PREFIX + b"new")
@@ -442,18 +442,18 @@ def test_adopted_tree_is_indexed_in_the_background(adopted):
 
     async def go():
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._index_loop)
+            nursery.start_soon(ops.adoption.run)
             # Requests are served meanwhile, and wait for a directory being listed.
             t = ops.index.lookup(ROOT_INODE, b"acme")
             for _ in range(3):
                 await ops.lookup(t.inode, b"a", ROOT)
 
     run(go)
-    assert not ops.unlisted and ops.index.unlisted() == []
+    assert not ops.adoption.unlisted and ops.index.unlisted() == []
     assert ops.stats.total_files == tree["files"]
     assert ops.stats.used_bytes == tree["bytes"]
     assert ops.snapshot()["indexing"]["directories_left"] == 0
-    assert os.path.exists(fresh) and ops.reconciler.report.removed_temp.count == 1
+    assert os.path.exists(fresh) and ops.adoption.reconciler.report.removed_temp.count == 1
     os.unlink(fresh)
     assert fsck.reconcile(ops.index, ops.store).changes == 0
 
@@ -473,10 +473,11 @@ def test_adoption_cut_short_resumes(tmp_path):
         c_dir = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
         # Half of c's entries indexed, c still marked unlisted: as a crash would leave it.
         node = ops.index.get(c_dir)
-        listing = ops.reconciler.prepare(ops._path(node))
+        listing = ops.adoption.reconciler.prepare(ops.tree.path(node))
         with ops.index.transaction():
-            ops.reconciler.walk_entries(node, ops._path(node), listing, [],
-                                        ops.reconciler.known(node), listing.entries[:20])
+            reconciler = ops.adoption.reconciler
+            reconciler.walk_entries(node, ops.tree.path(node), listing, [],
+                                    reconciler.known(node), listing.entries[:20])
 
     run(list_part)
     assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
@@ -484,8 +485,8 @@ def test_adoption_cut_short_resumes(tmp_path):
     assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
     assert report.dropped.count == 0
     ops2 = Operations(index, store, info)
-    run(ops2._index_loop)
-    assert len(ops2.index.children(c_dir)) == 50 and not ops2.unlisted
+    run(ops2.adoption.run)
+    assert len(ops2.index.children(c_dir)) == 50 and not ops2.adoption.unlisted
     assert ops2.stats.total_files == tree["files"]
     assert fsck.reconcile(index, store).changes == 0
 
@@ -504,7 +505,7 @@ def _gate_listing(ops, monkeypatch, suffix: bytes, *, after_read: bool = False):
     """Hold the next full listing of a directory ending in `suffix` until released: before
     it reads the directory, or `after_read`; returns the (holding, release) events."""
     holding, release = threading.Event(), threading.Event()
-    prepare = ops.reconciler.prepare
+    prepare = ops.adoption.reconciler.prepare
 
     def held_prepare(drel, names=None, temp_before_ns=None):
         held = names is None and drel.endswith(suffix)
@@ -517,7 +518,7 @@ def _gate_listing(ops, monkeypatch, suffix: bytes, *, after_read: bool = False):
             assert release.wait(10)
         return out
 
-    monkeypatch.setattr(ops.reconciler, "prepare", held_prepare)
+    monkeypatch.setattr(ops.adoption.reconciler, "prepare", held_prepare)
     return holding, release
 
 
@@ -533,7 +534,7 @@ def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted, monk
     then left the backing tree behind kvfs's back is dropped by the listing, and the usage
     is counted again."""
     ops, tree = adopted
-    ops.LIST_CHUNK = 5
+    ops.adoption.LIST_CHUNK = 5
     reading, release = _gate_listing(ops, monkeypatch, b"/c")
     changed = trio.Event()
 
@@ -555,11 +556,11 @@ def test_changes_wait_for_a_listing_under_way_and_usage_stays_true(adopted, monk
             changed.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._listed, c)
+            nursery.start_soon(ops.adoption.ensure_listed, c)
             await _until(reading)
             nursery.start_soon(change)
             await trio.sleep(0.2)
-            assert not changed.is_set() and c in ops.unlisted  # waiting for the listing
+            assert not changed.is_set() and c in ops.adoption.unlisted  # waiting for the listing
             release.set()
         names = {n.name for n in ops.index.children(c)}
         assert len(names) == 49 and {b"new", b"g2"} <= names
@@ -582,13 +583,13 @@ def test_a_lookup_is_not_held_up_by_a_listing_still_reading(adopted, monkeypatch
         b = await ops.lookup(a.st_ino, b"b", ROOT)
         c = (await ops.lookup(b.st_ino, b"c", ROOT)).st_ino
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._listed, c)
+            nursery.start_soon(ops.adoption.ensure_listed, c)
             await _until(reading)
             with trio.fail_after(5):  # (it used to wait for the whole listing)
                 f7 = await ops.lookup(c, b"f7", ROOT)
-            assert f7.st_size == 7 and c in ops.unlisted
+            assert f7.st_size == 7 and c in ops.adoption.unlisted
             release.set()
-        assert c not in ops.unlisted and len(ops.index.children(c)) == 50
+        assert c not in ops.adoption.unlisted and len(ops.index.children(c)) == 50
         assert ops.stats.total_files == 50 and ops.stats.used_bytes == sum(range(50))
 
     run(go)
@@ -634,7 +635,7 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
             got.append(await ops.lookup(f, hashing.block_filename(h).encode(), ROOT))
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._listed, f)
+            nursery.start_soon(ops.adoption.ensure_listed, f)
             await _until(reading)  # the listing has read the directory: no block there yet
             nursery.start_soon(fetch)
             await trio.sleep(0.3)
@@ -666,10 +667,10 @@ def test_eviction_in_a_directory_being_listed_waits_for_the_listing(adopted, mon
         freed = []
 
         async def evict():
-            freed.append(await ops.evict(1, t.inode))
+            freed.append(await ops.reclaim.evict(1, t.inode))
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(ops._listed, c)
+            nursery.start_soon(ops.adoption.ensure_listed, c)
             await _until(reading)
             nursery.start_soon(evict)
             await trio.sleep(0.3)
@@ -701,7 +702,7 @@ def test_a_listing_leaves_a_file_being_written_alone(adopted):
         fi = await ops.open(f.st_ino, os.O_WRONLY, ROOT)
         await ops.write(fi.fh, 0, b"\0" * 16)  # the header, mid-rewrite
         await ops.write(fi.fh, size, b"more")
-        await ops._listed(fan)
+        await ops.adoption.ensure_listed(fan)
         assert ops.index.get(f.st_ino).parent == fan  # still there, not quarantined
         await ops.release(fi.fh)
         assert path.exists() and path.stat().st_size == size + 4

@@ -1,0 +1,190 @@
+"""The daemon side of the direct path's control commands (the protocol is kvfs.control):
+publish (index blocks a client wrote into the backing tree), access (the client's hits and
+misses, and the blocks it read), corrupt (check and quarantine blocks a client found bad),
+fetch and prefetch (promote blocks from the lower tiers). Each is one setxattr on a model
+namespace's directory; kvfs.xattrs routes them here.
+
+No state of its own: it changes the index, the usage counters (Tree.stats) and the policies
+(kvfs.residency), on the event loop, between awaits.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from typing import Any
+
+from pyfuse3 import FUSEError
+
+from . import blockfile, control, hashing
+from .adoption import Adoption
+from .index import ORPHAN_PARENT, Node
+from .promotion import Promotion
+from .reclaim import Reclaim
+from .tree import Tree, join
+
+log = logging.getLogger(__name__)
+
+
+class Commands:
+    def __init__(self, tree: Tree, adoption: Adoption, reclaim: Reclaim,
+                 promotion: Promotion) -> None:
+        self.tree = tree
+        self.index = tree.index
+        self.residency = tree.residency
+        self.adoption = adoption
+        self.reclaim = reclaim
+        self.promotion = promotion
+
+    async def run(self, dnode: Node, name: bytes, value: bytes, ctx: Any) -> None:
+        """Run command `name` (one of control.COMMANDS) on directory `dnode`."""
+        # The kernel has checked write permission on the directory (default_permissions).
+        if not dnode.is_dir or dnode.ns == 0:
+            raise FUSEError(errno.EINVAL)  # commands address a model-namespace directory
+        op = name.decode().rpartition(".")[2]
+        blocks = len(value) // control.HASH_LEN if name != control.ACCESS else 0
+        self.tree.audit_op(ctx.uid, ctx.pid, dnode, op, blocks=blocks)
+        await self.adoption.ensure_listed(dnode.inode)
+        try:
+            if name == control.PUBLISH:
+                await self.publish(dnode, control.unpack_hashes(value))
+            elif name == control.ACCESS:
+                access = control.Access.unpack(value)
+                await self.adoption.listed_fans(dnode, access.hashes)
+                self.access(dnode, access)
+            elif name == control.CORRUPT:
+                await self.corrupt(dnode, control.unpack_hashes(value))
+            elif name == control.FETCH:
+                await self.promotion.fetch_many(dnode, *control.unpack_fetch(value))
+            elif self.tree.nursery is not None:
+                self.tree.nursery.start_soon(self.promotion.fetch_many, dnode,
+                                             control.unpack_hashes(value))
+        except control.ControlError as exc:
+            log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
+            raise FUSEError(errno.EINVAL) from None
+
+    async def publish(self, dnode: Node, hashes: list[bytes]) -> None:
+        """Index blocks that a client wrote and renamed into place below `dnode`."""
+        tree, adoption = self.tree, self.adoption
+        await adoption.listed_fans(dnode, hashes)
+        dpath = tree.path(dnode)
+        rels = [join(dpath, hashing.block_relpath(h).encode()) for h in hashes]
+        fans = sorted({h[:1].hex().encode() for h in hashes})
+        fan_stats = await tree.io(adoption.fan_stats, dpath, fans, tenant=dnode.tenant)
+        inspected = await tree.io(adoption.inspect_blocks, dpath, rels, tenant=dnode.tenant)
+        fresh, dropped = [], []
+        policy, now = self.residency.policy(dnode.tenant), time.time()
+        placed: set[bytes] = set()
+        refused: set[bytes] = set()  # refused in this batch: their files are about to go
+        for h, rel, (hdr, st, parent_there) in zip(hashes, rels, inspected, strict=True):
+            if st is None or hdr.block_hash != h:
+                log.warning("publish of %s refused: %s", rel.decode(errors="replace"),
+                            hdr if st is None else "header names another block")
+                if st is not None or not isinstance(hdr, FileNotFoundError):
+                    dropped.append(rel)
+                refused.add(h)
+                continue
+            fnode = self.index.lookup(dnode.inode, h[:1].hex().encode())
+            if fnode is not None and self.index.lookup(
+                    fnode.inode, hashing.block_filename(h).encode()) is not None:
+                placed.add(h)
+                continue  # content-addressed: publishing twice changes nothing
+            p = hdr.parent_hash
+            orphan = p in refused or (not parent_there and p not in placed
+                                      and self.index.find_block(dnode.ns, p) is None)
+            pkey = (dnode.ns, p) if p != hashing.ROOT_PARENT else None
+            if orphan or not policy.admit((dnode.ns, h), st.st_size, parent=pkey, now=now):
+                # A block whose prefix is not cached can never be a prefix hit; a block the
+                # policy would not keep is not worth the space. Neither is placed.
+                dropped.append(rel)
+                refused.add(h)
+                tree.stats.by_ns[tree.key(dnode)].refused_blocks += 1
+                continue
+            placed.add(h)
+            fresh.append((h, rel, hdr, st))
+        if dropped:
+            await tree.io(tree.store.unlink_many, dropped)
+        try:
+            sizes = [st.st_size for _, _, _, st in fresh]
+            await self.reclaim.make_room(dnode, sum(sizes), max(sizes, default=0))
+        except FUSEError:
+            # Nothing is left behind by a write that cannot be placed.
+            await tree.io(tree.store.unlink_many, [rel for _, rel, _, _ in fresh])
+            raise
+        dnode = self.index.get(dnode.inode)
+        key = tree.key(dnode)
+        c = tree.stats.by_ns[key]
+        changed: set[int] = set()  # directories with new entries
+        with self.index.transaction():
+            for h, _rel, hdr, st in fresh:
+                fan = h[:1].hex().encode()
+                fnode = self.index.lookup(dnode.inode, fan)
+                if fnode is None:
+                    fst = fan_stats.get(fan)
+                    if fst is None:
+                        continue  # no directory when listed (a link then): not indexed
+                    changed.add(dnode.inode)
+                    fnode = self.index.insert(parent=dnode.inode, name=fan, mode=fst.st_mode,
+                                              uid=fst.st_uid, gid=fst.st_gid,
+                                              tenant=dnode.tenant, ns=dnode.ns)
+                fname = hashing.block_filename(h).encode()
+                if self.index.lookup(fnode.inode, fname) is not None:
+                    continue  # content-addressed: publishing twice changes nothing
+                node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
+                                         uid=st.st_uid, gid=st.st_gid, size=st.st_size,
+                                         tenant=dnode.tenant, ns=dnode.ns)
+                changed.add(fnode.inode)
+                self.index.update(node.inode, block_hash=hdr.block_hash,
+                                  parent_hash=hdr.parent_hash)
+                self.residency.enter_block(node)
+                tree.publish_shared(node)
+                tree.stats.account(key, 1, st.st_size)
+                c.published_blocks += 1
+                c.published_bytes += st.st_size
+            tree.dir_changed(*changed)
+
+    def access(self, dnode: Node, a: control.Access) -> None:
+        """The client's lookup results and reads of namespace `dnode`."""
+        c = self.tree.stats.by_ns[self.tree.key(dnode)]
+        c.lookups += a.lookups
+        c.hit_blocks += a.hit_blocks
+        c.miss_blocks += a.miss_blocks
+        c.hit_tokens += a.hit_tokens
+        c.miss_tokens += a.miss_tokens
+        c.direct_read_bytes += a.read_bytes
+        c.direct_needed_bytes += a.needed_bytes
+        if a.hashes:
+            self.residency.record_access(dnode.tenant, dnode.ns, a.hashes, time.time_ns())
+
+    def _verify_block(self, rel: bytes) -> str | None:
+        """Thread: None if the block file is sound, else what is wrong with it (read on a
+        verified fd of a regular file, bounded by its header)."""
+        try:
+            blockfile.decode(self.tree.store.read_block(rel))
+        except blockfile.BlockFormatError as exc:
+            return str(exc)
+        return None
+
+    async def corrupt(self, dnode: Node, hashes: list[bytes]) -> None:
+        """A client found these blocks bad: check, and quarantine the ones that are."""
+        tree = self.tree
+        await self.adoption.listed_fans(dnode, hashes)
+        for h in hashes:
+            node = self.index.find_block(dnode.ns, h)
+            if node is None:
+                continue
+            rel = tree.path(node)
+            try:
+                problem = await tree.io(self._verify_block, rel, tenant=dnode.tenant)
+            except OSError as exc:
+                log.warning("not checking %s: %s", rel.decode(errors="replace"), exc)
+                continue
+            if problem is None:
+                continue  # the client's read was bad, not the file
+            await tree.io(tree.store.quarantine, rel, tenant=dnode.tenant)
+            node = self.index.find(node.inode)
+            if node is not None and node.parent != ORPHAN_PARENT:
+                tree.drop(node)
+            tree.stats.by_ns[tree.key(dnode)].checksum_failures += 1
+            log.warning("quarantined %s: %s", rel.decode(errors="replace"), problem)

@@ -1,0 +1,194 @@
+"""Open files and their handles: the file handles the kernel holds, the state of each inode
+that has open handles (`OpenFile`: size and mtime while written, who changed it since its
+last flush), and the reads of a handle (page cache first, then a worker thread with read-ahead).
+
+A file changed through a descriptor is marked `writing` in the index until every descriptor
+that changed it is flushed or closed (a daemon that dies before removes it at the next mount:
+it may be half written); it is checked as a block only when its last writer closes it.
+
+Shared state (event loop only): `files` (the Tree's `open_files`) and `handles`, changed by
+the FUSE handlers open, create, write, setattr, flush and release; `Handle.ahead` and
+`Handle.next_off` also by a read's worker thread (only the one read in flight on that handle).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from .index import Index, Node
+from .residency import Residency
+from .stats import Key
+
+#: Bytes a sequential reader's backing file is read ahead of it.
+READ_AHEAD = 16 << 20
+
+
+@dataclass(slots=True)
+class OpenFile:
+    """State of an inode that has open handles."""
+
+    handles: int = 0
+    writers: int = 0
+    written: bool = False  # marked `writing`: changed through a descriptor not closed yet
+    pending: int = 0  # handles that changed it since their last flush
+    unowned: bool = False  # changed by a request of no handle (truncate by path): until the end
+    changed: bool = False  # changed since its first writer opened it: checked at the last close
+    size: int = 0
+    mtime_ns: int = 0
+    dirty: bool = False
+
+
+@dataclass(slots=True)
+class Handle:
+    inode: int
+    fd: int = -1
+    writable: bool = False
+    key: Key = (0, 0)
+    content: bytes | None = None  # virtual files: a snapshot taken at open
+    uid: int = 0  # who opened it (for the audit log)
+    pid: int = 0
+    nread: int = 0
+    nwritten: int = 0
+    next_off: int = 0  # where a sequential reader reads next
+    written: bool = False  # changed the file since its last flush
+    ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
+
+
+def backing_flags(flags: int) -> int:
+    """Open flags for the backing file. O_DIRECT is not passed on: the daemon's buffers are
+    not aligned, and the mount honours it with direct_io instead. A file opened for writing
+    is opened read-write: the kernel may read a write-only file to fill pages."""
+    keep = os.O_ACCMODE | os.O_SYNC | os.O_DSYNC | os.O_NOFOLLOW
+    if flags & os.O_ACCMODE != os.O_RDONLY:
+        return (flags & keep & ~os.O_ACCMODE) | os.O_RDWR
+    return flags & keep
+
+
+def advise(fd: int, off: int, length: int) -> None:
+    """Thread: start reading a range of a backing file into the page cache."""
+    try:
+        os.posix_fadvise(fd, off, length, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass  # closed meanwhile, or not supported: only a lost hint
+
+
+def read_disk(h: Handle, off: int, size: int) -> bytes:
+    """Thread: read from the disk. A sequential reader's next READ_AHEAD bytes are asked for
+    at once (WILLNEED starts the reads and returns), so that its next requests find them in
+    the page cache and are served on the event loop, without a thread."""
+    data = os.pread(h.fd, size, off)
+    end = off + len(data)
+    if off == h.next_off and len(data) == size and end + READ_AHEAD // 2 > h.ahead:
+        start, h.ahead = max(end, h.ahead), end + READ_AHEAD
+        advise(h.fd, start, h.ahead - start)
+    return data
+
+
+class OpenFiles:
+    def __init__(self, index: Index, residency: Residency, files: dict[int, OpenFile]) -> None:
+        self.index = index
+        self.residency = residency
+        self.files = files
+        self.handles: dict[int, Handle] = {}
+        self._next_fh = 1
+
+    def new_fh(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self.handles[fh] = h
+        return fh
+
+    def register(self, node: Node, fd: int, writable: bool, ctx: Any = None, *,
+                 created: bool = False) -> int:
+        """A new handle of `node`; returns its number. A file `created` for writing is
+        indexed as being written from the start, by this handle."""
+        of = self.files.get(node.inode)
+        if of is None:
+            of = self.files[node.inode] = OpenFile(size=node.size, mtime_ns=node.mtime_ns)
+        of.handles += 1
+        if writable:
+            of.writers += 1
+            if of.writers == 1:
+                of.dirty = True
+                of.size = node.size
+        h = Handle(node.inode, fd, writable, (node.tenant, node.ns))
+        if ctx is not None:
+            h.uid, h.pid = ctx.uid, ctx.pid
+        if created and writable:
+            of.written = of.changed = h.written = True
+            of.pending += 1
+        return self.new_fh(h)
+
+    def writing(self, of: OpenFile, inode: int, h: Handle | None) -> None:
+        """A change (write, truncate) to a file open for writing, through handle `h` (None:
+        by path). From the first one on the file is being written, until every descriptor
+        that changed it is closed (removed if the daemon dies before: it may be half
+        written), and not a block until its last writer closes it. A file opened for writing
+        but not changed stays what it was (a block stays a block)."""
+        if h is None:
+            of.unowned = True
+        elif not h.written:
+            h.written = True
+            of.pending += 1
+        if not of.written:
+            of.written = of.changed = True
+            self.residency.unblock(self.index.get(inode))
+            self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
+
+    def persist(self, inode: int) -> None:
+        """Write the size and mtime of a file being written to the index."""
+        of = self.files.get(inode)
+        if of is not None and of.dirty and of.changed:
+            self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
+
+    def flushed(self, h: Handle) -> None:
+        """close(2) returned to a writer: what it wrote is complete as far as it knows, so a
+        daemon that dies before the (asynchronous) release must not remove it, unless another
+        descriptor has changed it too. A later change marks it again."""
+        self.persist(h.inode)
+        of = self.files.get(h.inode)
+        if of is not None and h.written:
+            h.written = False
+            of.pending -= 1
+            if of.written and not of.pending and not of.unowned:
+                of.written = False
+                self.index.update(h.inode, writing=0)
+
+    def closed(self, h: Handle) -> tuple[OpenFile, bool]:
+        """A handle's descriptor is closed: returns its file's state and whether the file
+        was changed since its first writer opened it."""
+        of = self.files[h.inode]
+        of.handles -= 1
+        changed = of.changed
+        if h.written:  # closed without a flush: what it changed is no longer pending
+            of.pending -= 1
+            if of.written and not of.pending and not of.unowned:
+                of.written = False
+                self.index.update(h.inode, writing=0)
+        if h.writable:
+            of.writers -= 1
+            if of.writers == 0:
+                if changed:
+                    self.persist(h.inode)
+                    self.index.update(h.inode, writing=0)
+                of.dirty = of.written = of.changed = of.unowned = False
+                of.pending = 0
+        if of.handles == 0:
+            del self.files[h.inode]
+        return of, changed
+
+    def read_cached(self, h: Handle, off: int, size: int) -> memoryview | None:
+        """Bytes already in the page cache, read on the event loop without blocking
+        (RWF_NOWAIT) and without a thread hand-off; None when the disk would be needed."""
+        buf = bytearray(size)
+        try:
+            n = os.preadv(h.fd, [buf], off, os.RWF_NOWAIT)
+        except (BlockingIOError, OSError):
+            return None
+        of = self.files.get(h.inode)
+        end = of.size if of is not None and of.dirty else self.index.get(h.inode).size
+        if n < size and off + n < end:
+            return None  # partly cached: a short read here would look like the end of file
+        return memoryview(buf)[:n]
