@@ -204,3 +204,53 @@ def test_expire_without_limits_removes_nothing(make):
     d = make({"acme": [("a", 10)]})
     assert trio.run(d.reclaim.expire) == 0
     assert d.on_disk("acme") == {"a"}
+
+
+def test_eviction_demotes_blocks_to_the_next_tier(tmp_path):
+    """With a lower tier, an evicted block is demoted: its bytes go down, its name stays (in
+    tier 1, out of the hot usage), and a later lookup can fetch it back. A plain file is
+    deleted."""
+    from kvfs import blockfile, hashing  # noqa: PLC0415
+    from kvfs.tiering import Tiering  # noqa: PLC0415
+    from kvfs.tiers import DirTier  # noqa: PLC0415
+
+    backing = tmp_path / "backing"
+    (backing / ".kvfs").mkdir(parents=True)
+    ns = backing / "acme" / "llama@0123456789abcdef"
+    h = hashing.block_hashes([7] * 16, 16)[0]
+    data = blockfile.encode(block_hash=h, parent_hash=hashing.ROOT_PARENT,
+                            fingerprint=bytes(16), token_count=16, dtype="uint8",
+                            shape=(100,), payload=bytes(100))
+    block = ns / hashing.block_relpath(h)
+    block.parent.mkdir(parents=True)
+    block.write_bytes(data)
+    (ns / "notes").write_bytes(b"n" * 10)
+    index = Index(str(backing / ".kvfs" / "index.db"))
+    store = BackingStore(str(backing))
+    fsck.reconcile(index, store)
+    cold = tmp_path / "cold"
+
+    async def go():
+        tiering = Tiering([DirTier(str(cold))], trio.CapacityLimiter(4))
+        tree = Tree(index, store, MountInfo(str(tmp_path / "mnt"), str(backing), None),
+                    tiering=tiering)
+        tree.residency.load()
+        reclaim = Reclaim(tree, Adoption(tree))
+        t = index.lookup(ROOT_INODE, b"acme").inode
+        freed = await reclaim.evict(len(data) + 10, t)
+        tiering.close()
+        return tree, freed
+
+    tree, freed = trio.run(go)
+    assert freed == len(data) + 10
+    assert not block.exists() and not (ns / "notes").exists()
+    assert (cold / "acme" / "llama@0123456789abcdef" / hashing.block_relpath(h)).read_bytes() \
+        == data
+    node = index.find_block(index.lookup(index.lookup(ROOT_INODE, b"acme").inode,
+                                         ns.name.encode()).inode, h)
+    assert node is not None and node.tier == 1  # the name stays, in the lower tier
+    assert index.lookup(node.ns, b"notes") is None  # a plain file is gone
+    counters = [c for c in tree.stats.by_ns.values() if c.demotions or c.evictions]
+    assert sum(c.demotions for c in counters) == 1 and sum(c.evictions for c in counters) == 1
+    assert tree.stats.used_bytes == 0
+    index.close()

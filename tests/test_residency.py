@@ -103,7 +103,9 @@ def test_a_use_moves_a_file_to_the_back(world):
     assert names(r.victims(200, t)) == [b"f1", b"f2"]
 
 
-def test_open_evicting_manifest_and_pinned_files_are_never_chosen(world):
+@pytest.mark.parametrize("entries_limit", [1000, 1], ids=["in-policy", "cold"])
+def test_open_evicting_manifest_and_pinned_files_are_never_chosen(world, entries_limit):
+    world.entries_limit = entries_limit
     t = world.tenant(b"acme")
     opened = world.file(t, b"open", 100)
     going = world.file(t, b"going", 100)
@@ -114,6 +116,7 @@ def test_open_evicting_manifest_and_pinned_files_are_never_chosen(world):
     world.open_files[opened.inode] = object()
     world.evicting.add(going.inode)
     r = world.residency()
+    assert r.cold_count(t) == (0 if entries_limit > 5 else 4)  # all but the newest
     assert names(r.victims(10 * 100, t)) == [b"plain"]
 
 
