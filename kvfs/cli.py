@@ -16,8 +16,9 @@ import sys
 import time
 from typing import Any
 
-from . import __version__, control
-from .config import ConfigError, load, parse_size
+from . import __version__, control, settings
+from .capacity import Budget
+from .config import ConfigError
 from .policy import DEFAULT_POLICY, POLICIES
 
 log = logging.getLogger("kvfs")
@@ -81,42 +82,17 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
 def cmd_mount(args: argparse.Namespace) -> int:
     from .mount import MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
 
-    conf: dict[str, Any] = load(args.config) if args.config else {}
-    backing = args.backing or conf.get("backing")
-    mountpoint = args.mountpoint or conf.get("mountpoint")
-    if not backing or not mountpoint:
+    values = settings.resolve(args, settings.load(args.config) if args.config else {})
+    if not values["backing"] or not values["mountpoint"]:
         raise CliError("mount needs BACKING_DIR and MOUNTPOINT (or both in --config)", EXIT_USAGE)
-    capacity = args.capacity if args.capacity is not None else conf.get("capacity")
-
-    def pick(name: str, default: Any) -> Any:
-        value = getattr(args, name)
-        return value if value is not None else conf.get(name, default)
-
-    opts = MountOptions(
-        backing=os.path.abspath(backing),
-        mountpoint=os.path.abspath(mountpoint),
-        capacity=parse_size(capacity) if capacity is not None else None,
-        debug=args.debug or bool(conf.get("debug", False)),
-        io_threads=int(conf.get("io_threads", 32)),
-        policy=pick("policy", DEFAULT_POLICY),
-        high_watermark=float(pick("high_watermark", 0.95)),
-        low_watermark=float(pick("low_watermark", 0.90)),
-        scan_interval=float(pick("scan_interval", 60.0)),
-        policy_entries=int(pick("policy_entries", 131072)),
-        cold=pick("cold", None),
-        shared=pick("shared", None),
-        write_through=not args.no_write_through and bool(conf.get("write_through", True)),
-        fetch_timeout=pick("fetch_timeout", None),
-        tier_cooldown=float(pick("tier_cooldown", 10.0)),
-        metrics=pick("metrics", None),
-        audit=pick("audit", None),
-    )
-    _validate(opts)
-    log_file = args.log or conf.get("log")
+    values["backing"] = os.path.abspath(values["backing"])
+    values["mountpoint"] = os.path.abspath(values["mountpoint"])
+    opts = MountOptions(**{s.name: values[s.name] for s in settings.SETTINGS if s.daemon})
+    Budget(opts.capacity, opts.high_watermark, opts.low_watermark)  # the watermarks together
     if args.foreground:
-        return _mount_foreground(opts, log_file, args.ready_fd)
+        return _mount_foreground(opts, values["log"], args.ready_fd)
     # Background: run the daemon as a child in its own session, and return once it is ready.
-    log_file = log_file or os.path.join(opts.backing, ".kvfs", "daemon.log")
+    log_file = values["log"] = values["log"] or settings.default_log(opts.backing)
     if not os.path.isdir(opts.backing):
         raise CliError(f"backing directory {opts.backing} does not exist")
     if not os.path.isdir(opts.mountpoint):
@@ -124,25 +100,8 @@ def cmd_mount(args: argparse.Namespace) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
     _private_log(log_file)
     rfd, wfd = os.pipe()
-    cmd = [sys.executable, "-m", "kvfs.cli", "mount", opts.backing, opts.mountpoint,
-           "--foreground", "--ready-fd", str(wfd), "--log", log_file]
-    if opts.capacity is not None:
-        cmd += ["--capacity", str(opts.capacity)]
-    cmd += ["--policy", opts.policy, "--high-watermark", str(opts.high_watermark),
-            "--low-watermark", str(opts.low_watermark), "--scan-interval", str(opts.scan_interval),
-            "--policy-entries", str(opts.policy_entries)]
-    for flag, value in (("--cold", opts.cold), ("--shared", opts.shared),
-                        ("--fetch-timeout", opts.fetch_timeout),
-                        ("--tier-cooldown", opts.tier_cooldown), ("--metrics", opts.metrics),
-                        ("--audit", opts.audit)):
-        if value is not None:
-            cmd += [flag, str(value)]
-    if not opts.write_through:
-        cmd.append("--no-write-through")
-    if args.config:
-        cmd += ["--config", args.config]
-    if opts.debug:
-        cmd.append("--debug")
+    cmd = [sys.executable, "-m", "kvfs.cli", "mount", *settings.daemon_argv(values),
+           "--foreground", "--ready-fd", str(wfd)]
     with open(os.devnull, "rb") as devnull, open(log_file, "ab") as logf:
         proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf,
                                 pass_fds=(wfd,), start_new_session=True)
@@ -156,18 +115,6 @@ def cmd_mount(args: argparse.Namespace) -> int:
     code = proc.wait()
     raise CliError(msg.decode(errors="replace").strip() or
                    f"the daemon exited with status {code} before mounting; see {log_file}")
-
-
-def _validate(opts: Any) -> None:
-    from .capacity import Budget  # noqa: PLC0415
-
-    Budget(opts.capacity, opts.high_watermark, opts.low_watermark)
-    if opts.policy not in POLICIES:
-        raise ConfigError(f"unknown policy {opts.policy!r}; choose from {', '.join(POLICIES)}")
-    if opts.scan_interval <= 0:
-        raise ConfigError("scan_interval must be positive")
-    if opts.policy_entries < 1:
-        raise ConfigError("policy_entries must be at least 1")
 
 
 def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
@@ -673,36 +620,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     m = sub.add_parser("mount", help="mount kvfs over a backing directory")
-    m.add_argument("backing", nargs="?", help="backing directory (hot tier and index)")
-    m.add_argument("mountpoint", nargs="?")
-    m.add_argument("--capacity", help="byte budget of the hot tier, e.g. 500G")
+    settings.add_arguments(m)
     m.add_argument("--foreground", "-f", action="store_true", help="stay attached")
     m.add_argument("--config", help="TOML config file; the command line overrides it")
-    m.add_argument("--log", help="log file (default: BACKING/.kvfs/daemon.log in background)")
-    m.add_argument("--policy", choices=POLICIES,
-                   help=f"eviction policy (default {DEFAULT_POLICY})")
-    m.add_argument("--high-watermark", type=float, dest="high_watermark",
-                   help="start background eviction above this fraction of capacity (0.95)")
-    m.add_argument("--low-watermark", type=float, dest="low_watermark",
-                   help="background eviction frees down to this fraction (0.90)")
-    m.add_argument("--policy-entries", type=int, dest="policy_entries",
-                   help="files whose eviction state is kept in memory (131072); older ones "
-                        "wait in the index and are evicted first, oldest access first")
-    m.add_argument("--scan-interval", type=float, dest="scan_interval",
-                   help="seconds between retention scans (60)")
-    m.add_argument("--cold", help="a directory tier below hot: dir:///path")
-    m.add_argument("--shared", help="a shared object-store tier: "
-                   "s3://bucket/prefix?endpoint=URL&region=R")
-    m.add_argument("--no-write-through", action="store_true", dest="no_write_through",
-                   help="publish to the shared tier only on eviction, not on save")
-    m.add_argument("--fetch-timeout", type=float, dest="fetch_timeout",
-                   help="seconds a lower-tier fetch may take before it is a miss "
-                        "(default: derived from the block size)")
-    m.add_argument("--tier-cooldown", type=float, dest="tier_cooldown",
-                   help="seconds a failing lower tier is left alone before a retry (10)")
-    m.add_argument("--metrics", help="serve Prometheus metrics on HOST:PORT")
-    m.add_argument("--audit", help="append a JSON line per operation to this file")
-    m.add_argument("--debug", action="store_true")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     m.set_defaults(func=cmd_mount)
 

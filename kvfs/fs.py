@@ -35,6 +35,7 @@ from .capacity import UNLIMITED, Budget, Limits, fair_shares, quota_overflow, ro
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
 from .layout import MANIFEST, STATE_DIR
 from .policy import DEFAULT_POLICY, Policy, policy_by_name
+from .settings import DEFAULTS
 from .stats import Key, Stats
 from .store import BackingStore
 from .tiering import Tiering
@@ -152,13 +153,13 @@ class MountInfo:
     backing: str
     capacity: int | None
     policy: str = DEFAULT_POLICY
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
+    high_watermark: float = DEFAULTS["high_watermark"]
+    low_watermark: float = DEFAULTS["low_watermark"]
     #: Seconds between retention scans.
-    scan_interval: float = 60.0
+    scan_interval: float = DEFAULTS["scan_interval"]
     #: Files whose eviction state the policies keep in memory, all tenants together; the
     #: rest wait in the index in access order and are evicted first (bounded memory).
-    policy_entries: int = 131072
+    policy_entries: int = DEFAULTS["policy_entries"]
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -175,7 +176,7 @@ class Operations(pyfuse3.Operations):
         info: MountInfo,
         *,
         owner_uid: int = 0,
-        io_threads: int = 32,
+        io_threads: int = DEFAULTS["io_threads"],
         tiering: Tiering | None = None,
         audit: Audit | None = None,
     ) -> None:
