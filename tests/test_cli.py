@@ -58,3 +58,20 @@ def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):
     assert res.returncode == 1 and "in use by another kvfs process" in res.stderr
     res = kvfs("mount", str(m.backing), str(m.mnt), check=False)
     assert res.returncode == 1 and "already a mount point" in res.stderr
+
+
+def test_python_m_kvfs_cli_is_the_kvfs_program():
+    """The daemon and the tests start `python -m kvfs.cli`; a benchmark record names that
+    entry point `kvfs`, as the console script."""
+    import subprocess
+    import sys
+
+    from kvfs.bench.common import portable
+    from kvfs.bench.report import command_line
+
+    res = subprocess.run([sys.executable, "-m", "kvfs.cli", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert res.stdout.startswith("kvfs ")
+    argv0 = os.path.join(os.path.dirname(__import__("kvfs.cli").cli.__file__), "__main__.py")
+    assert portable([argv0, "bench", "trace"]) == ["kvfs", "bench", "trace"]
+    assert command_line([argv0, "bench", "trace"]) == "kvfs bench trace"
