@@ -24,6 +24,10 @@ from .policy import DEFAULT_POLICY, POLICIES
 
 #: A setting's value kinds: how its text (command line) and its TOML value are read.
 KINDS = ("str", "int", "float", "bool", "size")
+_TOML_TYPES: dict[str, type | tuple[type, ...]] = {
+    "str": str, "int": int, "float": (int, float), "bool": bool, "size": (int, str)}
+_KIND_NAMES = {"str": "a string", "int": "an integer", "float": "a number",
+               "bool": "true or false", "size": 'a size (e.g. "500G") or a number of bytes'}
 
 
 @dataclass(frozen=True)
@@ -87,19 +91,12 @@ class Setting:
 
     def from_toml(self, value: Any) -> Any:
         """A config file's value; ValueError with the reason when it is bad."""
-        if isinstance(value, bool) != (self.kind == "bool"):
-            ok = False
-        elif self.kind == "int":
-            ok = isinstance(value, int)
-        elif self.kind == "float":
-            ok = isinstance(value, (int, float))
-        elif self.kind == "size":
-            ok = isinstance(value, (int, str))
+        if self.kind == "bool" or isinstance(value, bool):
+            ok = isinstance(value, bool) and self.kind == "bool"
         else:
-            ok = isinstance(value, str) if self.kind == "str" else isinstance(value, bool)
+            ok = isinstance(value, _TOML_TYPES[self.kind])
         if not ok:
-            want = {"size": "size (e.g. \"500G\" or bytes)"}.get(self.kind, self.kind)
-            raise ValueError(f"must be a {want}")
+            raise ValueError(f"must be {_KIND_NAMES[self.kind]}")
         if self.kind == "float":
             value = float(value)
         elif self.kind == "size":

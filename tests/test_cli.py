@@ -32,6 +32,10 @@ def test_bad_config_is_refused_with_key(tmp_path):
     conf.write_text("capacity = [1\n")
     res = kvfs("mount", "--config", str(conf), check=False)
     assert res.returncode == 2 and "not valid TOML" in res.stderr
+    # A bad value names the file and the key, before anything is mounted.
+    conf.write_text(f'backing = "{tmp_path}"\nmountpoint = "{tmp_path}"\nscan_interval = 0\n')
+    res = kvfs("mount", "--config", str(conf), check=False)
+    assert res.returncode == 2 and f"config {conf}: scan_interval must be positive" in res.stderr
 
 
 def test_mount_errors_are_one_clear_line(tmp_path):

@@ -102,17 +102,18 @@ def test_config_file_round_trips_through_the_daemons_command_line(tmp_path):
     ('capacty = "1G"', "unknown key 'capacty'"),
     ('capacity = "lots"', "capacity not a size: 'lots'"),
     ("capacity = -1", "capacity size must not be negative"),
-    ('scan_interval = "60"', "scan_interval must be a float"),
+    ("capacity = 1.5", "capacity must be a size"),
+    ('scan_interval = "60"', "scan_interval must be a number"),
     ("scan_interval = 0", "scan_interval must be positive (got 0.0)"),
     ("policy_entries = 0", "policy_entries must be at least 1"),
-    ("policy_entries = 1.5", "policy_entries must be a int"),
-    ("io_threads = true", "io_threads must be a int"),
-    ("debug = 1", "debug must be a bool"),
+    ("policy_entries = 1.5", "policy_entries must be an integer"),
+    ("io_threads = true", "io_threads must be an integer"),
+    ("debug = 1", "debug must be true or false"),
     ('policy = "mru"', "policy must be one of kvfs, lru, chain-lru, s3fifo (got 'mru')"),
     ("high_watermark = 1.5", "high_watermark must be a fraction in (0, 1]"),
     ("tier_cooldown = -1", "tier_cooldown must be 0 or more"),
     ("fetch_timeout = 0", "fetch_timeout must be positive"),
-    ("metrics = 9464", "metrics must be a str"),
+    ("metrics = 9464", "metrics must be a string"),
 ])
 def test_bad_config_values_name_the_file_and_the_key(tmp_path, line, message):
     conf = tmp_path / "kvfs.toml"
