@@ -16,6 +16,7 @@ import re
 from dataclasses import dataclass, fields
 
 from .config import ConfigError, parse_size
+from .settings import DEFAULTS
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -66,8 +67,8 @@ class Budget:
     """The hot tier's byte budget and watermarks (fractions of the capacity)."""
 
     capacity: int | None
-    high: float = 0.95
-    low: float = 0.90
+    high: float = DEFAULTS["high_watermark"]
+    low: float = DEFAULTS["low_watermark"]
 
     def __post_init__(self) -> None:
         if not 0 < self.low <= self.high <= 1:

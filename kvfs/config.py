@@ -1,4 +1,8 @@
-"""Mount configuration: sizes, the TOML config file, and how the command line overrides it."""
+"""Configuration primitives: the error every bad setting raises, sizes, and reading a TOML file.
+
+The settings themselves (names, types, defaults, checks) are the table in `kvfs.settings`,
+which validates a config file's keys against it (`kvfs.settings.load`).
+"""
 
 from __future__ import annotations
 
@@ -8,28 +12,6 @@ from typing import Any
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b)?\s*$", re.IGNORECASE)
-
-#: Keys a config file may hold, with their types. The command line uses the same names.
-KEYS: dict[str, type] = {
-    "backing": str,
-    "mountpoint": str,
-    "capacity": str,
-    "log": str,
-    "debug": bool,
-    "io_threads": int,
-    "policy": str,
-    "high_watermark": float,
-    "low_watermark": float,
-    "scan_interval": float,
-    "policy_entries": int,
-    "cold": str,
-    "shared": str,
-    "write_through": bool,
-    "fetch_timeout": float,
-    "tier_cooldown": float,
-    "metrics": str,
-    "audit": str,
-}
 
 
 class ConfigError(ValueError):
@@ -48,25 +30,12 @@ def parse_size(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
-def load(path: str) -> dict[str, Any]:
-    """Read a TOML config file; unknown keys and wrong types are refused with their name."""
+def read_toml(path: str) -> dict[str, Any]:
+    """A TOML file's table; an unreadable or malformed file is a ConfigError naming it."""
     try:
         with open(path, "rb") as f:
-            data = tomllib.load(f)
+            return tomllib.load(f)
     except OSError as exc:
         raise ConfigError(f"cannot read config {path}: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config {path} is not valid TOML: {exc}") from None
-    for key, value in data.items():
-        if key not in KEYS:
-            raise ConfigError(f"config {path}: unknown key {key!r}")
-        want = KEYS[key]
-        if key == "capacity" and isinstance(value, int):
-            continue
-        if want is float and isinstance(value, int):
-            continue
-        if not isinstance(value, want):
-            raise ConfigError(f"config {path}: {key} must be a {want.__name__}")
-    if "capacity" in data:
-        parse_size(data["capacity"])
-    return data

@@ -32,6 +32,7 @@ from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node, NoS
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, read_disk
 from .promotion import Promotion
 from .reclaim import Reclaim
+from .settings import DEFAULTS
 from .store import BackingStore
 from .tiering import Tiering
 from .tree import NAME_MAX, MountInfo, Tree, attr_changes, check_move, check_name, join, owner_gid
@@ -79,7 +80,7 @@ class Operations(pyfuse3.Operations):
         info: MountInfo,
         *,
         owner_uid: int = 0,
-        io_threads: int = 32,
+        io_threads: int = DEFAULTS["io_threads"],
         tiering: Tiering | None = None,
         audit: Audit | None = None,
     ) -> None:

@@ -15,11 +15,10 @@ import sys
 
 from .cli import EXIT_USAGE
 from .cli import main as kvfs_main
+from .settings import fstab_options
 
-VALUED = {"capacity", "config", "log", "policy", "high_watermark", "low_watermark",
-          "scan_interval", "policy_entries", "cold", "shared", "fetch_timeout", "tier_cooldown",
-          "metrics", "audit"}
-FLAGS = {"debug", "no_write_through"}
+#: The options that take a value and the bare switches: `kvfs mount`'s (kvfs.settings).
+VALUED, FLAGS = fstab_options()
 IGNORED = {"rw", "ro", "defaults", "auto", "noauto", "user", "users", "nouser", "nofail",
            "_netdev", "exec", "noexec", "suid", "nosuid", "dev", "nodev", "atime", "noatime",
            "relatime", "async", "sync", "allow_other", "default_permissions"}

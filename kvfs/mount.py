@@ -24,7 +24,7 @@ from .fs import MountInfo, Operations
 from .index import Index
 from .metrics import Metrics
 from .notify import notify
-from .policy import DEFAULT_POLICY
+from .settings import DEFAULTS
 from .store import BackingStore
 from .tiering import Tiering
 from .tiers import parse_tier_url
@@ -41,24 +41,26 @@ class MountError(Exception):
 
 @dataclass
 class MountOptions:
+    """The daemon's settings; each is defined (type, default, check) in kvfs.settings."""
+
     backing: str
     mountpoint: str
-    capacity: int | None = None
-    debug: bool = False
-    io_threads: int = 32
-    policy: str = DEFAULT_POLICY
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
-    scan_interval: float = 60.0
-    policy_entries: int = 131072  # files with eviction state in memory (the rest: index)
-    cold: str | None = None  # dir:///path
-    shared: str | None = None  # s3://bucket/prefix?endpoint=...
-    write_through: bool = True
-    fetch_timeout: float | None = None
-    tier_cooldown: float = 10.0  # seconds a failing tier is left alone (circuit open)
-    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint
-    audit: str | None = None  # path of the JSON-lines audit log
-    read_ahead_kb: int = 4096  # the mount's read-ahead window
+    capacity: int | None = DEFAULTS["capacity"]
+    debug: bool = DEFAULTS["debug"]
+    io_threads: int = DEFAULTS["io_threads"]
+    policy: str = DEFAULTS["policy"]
+    high_watermark: float = DEFAULTS["high_watermark"]
+    low_watermark: float = DEFAULTS["low_watermark"]
+    scan_interval: float = DEFAULTS["scan_interval"]
+    policy_entries: int = DEFAULTS["policy_entries"]
+    cold: str | None = DEFAULTS["cold"]
+    shared: str | None = DEFAULTS["shared"]
+    write_through: bool = DEFAULTS["write_through"]
+    fetch_timeout: float | None = DEFAULTS["fetch_timeout"]
+    tier_cooldown: float = DEFAULTS["tier_cooldown"]
+    metrics: str | None = DEFAULTS["metrics"]
+    audit: str | None = DEFAULTS["audit"]
+    read_ahead_kb: int = 4096  # the mount's read-ahead window (not a setting)
 
 
 def open_state_dir(backing: str) -> tuple[BackingStore, int]:

@@ -48,6 +48,7 @@ from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import OpenFile
 from .policy import DEFAULT_POLICY
 from .residency import Residency
+from .settings import DEFAULTS
 from .stats import Key, Stats
 from .store import BackingStore
 from .tiering import Tiering
@@ -73,13 +74,13 @@ class MountInfo:
     backing: str
     capacity: int | None
     policy: str = DEFAULT_POLICY
-    high_watermark: float = 0.95
-    low_watermark: float = 0.90
+    high_watermark: float = DEFAULTS["high_watermark"]
+    low_watermark: float = DEFAULTS["low_watermark"]
     #: Seconds between retention scans.
-    scan_interval: float = 60.0
+    scan_interval: float = DEFAULTS["scan_interval"]
     #: Files whose eviction state the policies keep in memory, all tenants together; the
     #: rest wait in the index in access order and are evicted first (bounded memory).
-    policy_entries: int = 131072
+    policy_entries: int = DEFAULTS["policy_entries"]
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
@@ -136,8 +137,8 @@ class Tree:
     """The shared state of one mount (see the module docstring for who changes what)."""
 
     def __init__(self, index: Index, store: BackingStore, info: MountInfo, *,
-                 owner_uid: int = 0, io_threads: int = 32, tiering: Tiering | None = None,
-                 audit: Audit | None = None) -> None:
+                 owner_uid: int = 0, io_threads: int = DEFAULTS["io_threads"],
+                 tiering: Tiering | None = None, audit: Audit | None = None) -> None:
         self.index = index
         self.store = store
         self.info = info

@@ -32,6 +32,10 @@ def test_bad_config_is_refused_with_key(tmp_path):
     conf.write_text("capacity = [1\n")
     res = kvfs("mount", "--config", str(conf), check=False)
     assert res.returncode == 2 and "not valid TOML" in res.stderr
+    # A bad value names the file and the key, before anything is mounted.
+    conf.write_text(f'backing = "{tmp_path}"\nmountpoint = "{tmp_path}"\nscan_interval = 0\n')
+    res = kvfs("mount", "--config", str(conf), check=False)
+    assert res.returncode == 2 and f"config {conf}: scan_interval must be positive" in res.stderr
 
 
 def test_mount_errors_are_one_clear_line(tmp_path):
@@ -58,3 +62,20 @@ def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):
     assert res.returncode == 1 and "in use by another kvfs process" in res.stderr
     res = kvfs("mount", str(m.backing), str(m.mnt), check=False)
     assert res.returncode == 1 and "already a mount point" in res.stderr
+
+
+def test_python_m_kvfs_cli_is_the_kvfs_program():
+    """The daemon and the tests start `python -m kvfs.cli`; a benchmark record names that
+    entry point `kvfs`, as the console script."""
+    import subprocess
+    import sys
+
+    from kvfs.bench.common import portable
+    from kvfs.bench.report import command_line
+
+    res = subprocess.run([sys.executable, "-m", "kvfs.cli", "--version"], capture_output=True,
+                         text=True, check=True)
+    assert res.stdout.startswith("kvfs ")
+    argv0 = os.path.join(os.path.dirname(__import__("kvfs.cli").cli.__file__), "__main__.py")
+    assert portable([argv0, "bench", "trace"]) == ["kvfs", "bench", "trace"]
+    assert command_line([argv0, "bench", "trace"]) == "kvfs bench trace"

@@ -154,7 +154,7 @@ def portable(value: Any) -> Any:
         return [portable(v) for v in value]
     if isinstance(value, str) and value.startswith("/") and value != "/" and not (
             value.startswith(("/dev/", "/proc/", "/sys/"))):
-        if value.endswith(("/kvfs/cli.py", "/bin/kvfs")):
+        if value.endswith(("/kvfs/cli.py", "/kvfs/cli/__main__.py", "/bin/kvfs")):
             return "kvfs"
         return os.path.basename(value.rstrip("/")) or value
     return value

@@ -249,7 +249,7 @@ def command_line(cmd: Any) -> str | None:
     argv = [str(a) for a in cmd]
     head = argv[0].replace(os.sep, "/")
     name = head.rsplit("/", 1)[-1]
-    if name == "kvfs" or head.endswith(("kvfs/cli.py", "kvfs/__main__.py")):
+    if name == "kvfs" or head.endswith(("kvfs/cli.py", "kvfs/cli/__main__.py", "kvfs/__main__.py")):
         prefix = "kvfs"
     elif name.endswith(".py"):
         prefix = f"python {'tools/' if '/tools/' in f'/{head}' else ''}{name}"

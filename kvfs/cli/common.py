@@ -1,0 +1,84 @@
+"""What every `kvfs` subcommand shares: exit codes, the error they raise, logging, the
+mount's stats file, sizes and tables as people read them."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import stat
+import sys
+from typing import Any
+
+log = logging.getLogger("kvfs")
+
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_NOT_MOUNTED = 3
+
+
+class CliError(Exception):
+    def __init__(self, message: str, code: int = EXIT_FAIL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def private_log(path: str) -> None:
+    """Create (or restrict) a daemon log as readable by its owner (root) alone: it names
+    every tenant's files."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # (not a terminal or /dev/stderr)
+            os.fchmod(fd, 0o600)
+    finally:
+        os.close(fd)
+
+
+def setup_logging(log_file: str | None, debug: bool) -> None:
+    handler: logging.Handler
+    if log_file:
+        private_log(log_file)
+        handler = logging.FileHandler(log_file)
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(
+        "%(asctime)s.%(msecs)03d %(process)d %(levelname)s %(name)s: %(message)s",
+        datefmt="%Y-%m-%d %H:%M:%S"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(logging.DEBUG if debug else logging.INFO)
+
+
+def _stats_path(mountpoint: str) -> str:
+    return os.path.join(mountpoint, ".kvfs", "stats.json")
+
+
+def read_stats(mountpoint: str) -> dict[str, Any]:
+    if not os.path.ismount(mountpoint):
+        raise CliError(f"{mountpoint} is not mounted", EXIT_NOT_MOUNTED)
+    try:
+        with open(_stats_path(mountpoint), "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        raise CliError(f"{mountpoint} is not a kvfs mount", EXIT_NOT_MOUNTED) from None
+    except OSError as exc:
+        raise CliError(f"cannot read {_stats_path(mountpoint)}: {exc.strerror}") from None
+
+
+def human(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def table_lines(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def print_table(rows: list[tuple[str, ...]]) -> None:
+    print("\n".join(table_lines(rows)))

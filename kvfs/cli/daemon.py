@@ -1,0 +1,113 @@
+"""`kvfs mount` and `kvfs umount`: the daemon, in the foreground or started in the background
+with every setting on its command line (kvfs.settings)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from .. import settings
+from ..capacity import Budget
+from .common import EXIT_FAIL, EXIT_USAGE, CliError, log, private_log, read_stats, setup_logging
+
+
+def cmd_mount(args: argparse.Namespace) -> int:
+    from ..mount import MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
+
+    values = settings.resolve(args, settings.load(args.config) if args.config else {})
+    if not values["backing"] or not values["mountpoint"]:
+        raise CliError("mount needs BACKING_DIR and MOUNTPOINT (or both in --config)", EXIT_USAGE)
+    values["backing"] = os.path.abspath(values["backing"])
+    values["mountpoint"] = os.path.abspath(values["mountpoint"])
+    opts = MountOptions(**{s.name: values[s.name] for s in settings.SETTINGS if s.daemon})
+    Budget(opts.capacity, opts.high_watermark, opts.low_watermark)  # the watermarks together
+    if args.foreground:
+        return _mount_foreground(opts, values["log"], args.ready_fd)
+    # Background: run the daemon as a child in its own session, and return once it is ready.
+    log_file = values["log"] = values["log"] or settings.default_log(opts.backing)
+    if not os.path.isdir(opts.backing):
+        raise CliError(f"backing directory {opts.backing} does not exist")
+    if not os.path.isdir(opts.mountpoint):
+        raise CliError(f"mount point {opts.mountpoint} is not a directory")
+    os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
+    private_log(log_file)
+    rfd, wfd = os.pipe()
+    cmd = [sys.executable, "-m", "kvfs.cli", "mount", *settings.daemon_argv(values),
+           "--foreground", "--ready-fd", str(wfd)]
+    with open(os.devnull, "rb") as devnull, open(log_file, "ab") as logf:
+        proc = subprocess.Popen(cmd, stdin=devnull, stdout=logf, stderr=logf,
+                                pass_fds=(wfd,), start_new_session=True)
+    os.close(wfd)
+    with os.fdopen(rfd, "rb") as r:
+        msg = r.read()
+    if msg.startswith(b"ok"):
+        print(f"kvfs: mounted {opts.mountpoint} (backing {opts.backing}, pid {proc.pid}, "
+              f"log {log_file})")
+        return 0
+    code = proc.wait()
+    raise CliError(msg.decode(errors="replace").strip() or
+                   f"the daemon exited with status {code} before mounting; see {log_file}")
+
+
+def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
+    from ..mount import MountError, run  # noqa: PLC0415
+
+    setup_logging(log_file, opts.debug)
+
+    def ready() -> None:
+        if ready_fd is not None:
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+
+    try:
+        return run(opts, ready)
+    except MountError as exc:
+        log.error("%s", exc)
+        if ready_fd is not None:
+            os.write(ready_fd, f"{exc}\n".encode())
+            os.close(ready_fd)
+            return EXIT_FAIL
+        raise CliError(str(exc)) from None
+
+
+def cmd_umount(args: argparse.Namespace) -> int:
+    mountpoint = os.path.abspath(args.mountpoint)
+    pid = read_stats(mountpoint).get("pid")
+    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise CliError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
+    deadline = time.monotonic() + args.timeout
+    while pid and _alive(pid):
+        if time.monotonic() > deadline:
+            raise CliError(f"unmounted, but the daemon (pid {pid}) has not exited after "
+                           f"{args.timeout} s")
+        time.sleep(0.05)
+    print(f"kvfs: unmounted {mountpoint}")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][:1] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    """Add this module's subcommands to `kvfs`."""
+    m = sub.add_parser("mount", help="mount kvfs over a backing directory")
+    settings.add_arguments(m)
+    m.add_argument("--foreground", "-f", action="store_true", help="stay attached")
+    m.add_argument("--config", help="TOML config file; the command line overrides it")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.set_defaults(func=cmd_mount)
+
+    u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
+    u.add_argument("mountpoint")
+    u.add_argument("--timeout", type=float, default=60.0)
+    u.set_defaults(func=cmd_umount)
