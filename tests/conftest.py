@@ -1,8 +1,13 @@
 """Shared fixtures: a real kvfs mount run as a subprocess, as users run it.
 
-Real-mount tests need root (or a setuid fusermount3) and /dev/fuse; without them they skip
-with that reason. The daemon's log is checked after every test: a traceback fails the test
-that caused it.
+The mount itself is the benchmarks' harness (:class:`kvfs.bench.harness.Mount`): the same
+start, the same reliable unmount. Real-mount tests need root (or a setuid fusermount3) and
+/dev/fuse; without them they skip with that reason. The daemon's log is checked after every
+test: a traceback fails the test that caused it.
+
+Markers: every test that uses a mount fixture (`mount`, `mount_factory`) or the S3 server
+(`s3`) is marked `mount` here, as are the test modules that start mounts or servers of their
+own (their `pytestmark`); `pytest -m "not mount"` runs the unit tests alone, in seconds.
 """
 
 from __future__ import annotations
@@ -10,99 +15,41 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-KVFS = [sys.executable, "-m", "kvfs.cli"]
+from kvfs.bench.harness import (  # noqa: F401 - Mount, force_unmount: the tests' API too
+    KVFS,
+    KvfsError,
+    Mount,
+    abort_connection,
+    force_unmount,
+    fuse_available,
+    run_kvfs,
+)
+
+#: Fixtures that make a test a mount test (real mounts, real servers: slower than a unit).
+MOUNT_FIXTURES = {"mount", "mount_factory", "s3"}
 
 
-def fuse_available() -> str | None:
-    """None if real mounts can run here, else why not."""
-    if not os.path.exists("/dev/fuse"):
-        return "no /dev/fuse"
-    if shutil.which("fusermount3") is None:
-        return "fusermount3 not installed (apt install fuse3)"
-    if os.getuid() != 0:
-        return "real-mount tests run as root (they create tenants owned by other uids)"
-    return None
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark `mount` every test that uses a mount fixture (the unit tests are the rest)."""
+    for item in items:
+        if MOUNT_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.mount)
 
 
 def kvfs(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
-    res = subprocess.run([*KVFS, *args], capture_output=True, text=True, **kw)
+    """``kvfs ARGS``; a failure (check) fails the test with the command's output."""
+    res = run_kvfs(*args, check=False, **kw)
     if check and res.returncode != 0:
         raise AssertionError(f"kvfs {' '.join(args)} failed ({res.returncode}):\n"
                              f"{res.stdout}\n{res.stderr}")
     return res
-
-
-@dataclass
-class Mount:
-    backing: Path
-    mnt: Path
-    log: Path
-    extra: list[str] = field(default_factory=list)
-
-    def start(self) -> None:
-        kvfs("mount", str(self.backing), str(self.mnt), "--log", str(self.log), *self.extra)
-        assert os.path.ismount(self.mnt)
-
-    def stop(self) -> None:
-        if os.path.ismount(self.mnt):
-            kvfs("umount", str(self.mnt))
-
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
-    def pid(self) -> int:
-        import json
-
-        return json.loads((self.mnt / ".kvfs" / "stats.json").read_bytes())["pid"]
-
-    def stats(self) -> dict:
-        import json
-
-        return json.loads((self.mnt / ".kvfs" / "stats.json").read_bytes())
-
-    def log_text(self) -> str:
-        return self.log.read_text() if self.log.exists() else ""
-
-
-def abort_connection(mnt: Path) -> None:
-    """Abort the FUSE connection of `mnt` (fusectl), failing every request still waiting on
-    it. A daemon killed with SIGKILL can be left unable to exit: a thread of it inside a kernel
-    notification waits on a directory lock that a request it will never answer holds; the
-    connection then lives on, and processes using the mount hang, until it is aborted."""
-    dev = None
-    with open("/proc/self/mountinfo") as f:  # (a stat of the mount point would hang too)
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and fields[4] == str(mnt):
-                dev = fields[2]
-    if dev is None:
-        return
-    conns = "/sys/fs/fuse/connections"
-    if not os.listdir(conns):
-        subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
-    try:
-        with open(f"{conns}/{dev.split(':')[1]}/abort", "w") as f:
-            f.write("1")
-    except OSError:
-        pass
-
-
-def force_unmount(mnt: Path) -> None:
-    abort_connection(mnt)
-    if os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True)
-    if os.path.ismount(mnt):
-        subprocess.run(["fusermount3", "-uz", str(mnt)], capture_output=True)
 
 
 @pytest.fixture
@@ -116,12 +63,7 @@ def mount_factory() -> Iterator:
     os.chmod(tmp_path, 0o755)
 
     def make(name: str = "m", extra: list[str] | None = None, start: bool = True) -> Mount:
-        base = tmp_path / name
-        backing, mnt = base / "backing", base / "mnt"
-        backing.mkdir(parents=True, exist_ok=True)
-        mnt.mkdir(parents=True, exist_ok=True)
-        os.chmod(base, 0o755)
-        m = Mount(backing, mnt, base / "daemon.log", extra or [])
+        m = Mount.under(tmp_path / name, extra or [])
         mounts.append(m)
         if start:
             m.start()
@@ -131,10 +73,9 @@ def mount_factory() -> Iterator:
     problems = []
     for m in mounts:
         try:
-            m.stop()
-        except AssertionError as exc:
+            m.stop()  # a daemon that does not unmount is unmounted by force, and said
+        except KvfsError as exc:
             problems.append(str(exc))
-            force_unmount(m.mnt)
         text = m.log_text()
         if "Traceback" in text:
             problems.append(f"daemon log of {m.mnt} has a traceback:\n{text[-4000:]}")

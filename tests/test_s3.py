@@ -95,10 +95,10 @@ def test_a_lookup_budget_bounds_a_slow_store(mount_factory, s3):  # noqa: F811
     """Host b reads the bucket through a proxy that holds every response 3 s. A lookup
     with a 0.3 s budget comes back in well under the store's latency, with misses; the
     fetches go on in the background and the next lookup finds every block hot."""
-    from kvfs.bench.degraded import Proxy
+    from kvfs.bench.harness import FaultProxy
 
     host, _, port = s3.endpoint.rpartition(":")
-    proxy = Proxy(("127.0.0.1", int(port)), latency=3.0)
+    proxy = FaultProxy(("127.0.0.1", int(port)), latency=3.0)
     try:
         a = mount_factory("a", extra=["--shared", s3.url])
         slow_url = s3.url.replace(s3.endpoint, f"{host}:{proxy.port}")

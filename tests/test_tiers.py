@@ -46,7 +46,7 @@ def make_block(path: Path, seed: int, tokens: int = 16, heads: int = 8) -> str:
     return f"{NS}/{hashing.block_relpath(block_hash)}"
 
 
-@pytest.fixture(params=["dir", "s3"])
+@pytest.fixture(params=["dir", pytest.param("s3", marks=pytest.mark.mount)])
 def tier(request: pytest.FixtureRequest, tmp_path: Path) -> Tier:
     if request.param == "dir":
         t: Tier = DirTier(str(tmp_path / "cold"))

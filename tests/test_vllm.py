@@ -163,6 +163,7 @@ def spec_of(record: dict) -> kv.ModelSpec:
     return kv.ModelSpec.from_manifest(json.dumps(record["spec"]).encode())
 
 
+@pytest.mark.mount
 def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, saved):
     m, a = saved
     assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
@@ -226,6 +227,7 @@ def _safetensor(path: Path, name: str = "kv_cache") -> torch.Tensor:
     return torch.frombuffer(data, dtype=torch.bfloat16).reshape(meta["shape"])
 
 
+@pytest.mark.mount
 def test_another_tenant_gets_no_hit_and_a_foreign_uid_fails_at_start(work, saved):
     m, _ = saved
     b = engine(work, *kvfs_args(m.mnt, "beta"), uid=UID_B)
@@ -237,6 +239,7 @@ def test_another_tenant_gets_no_hit_and_a_foreign_uid_fails_at_start(work, saved
     assert f"uid {UID_B} may not use tenant 'acme'" in res.stderr
 
 
+@pytest.mark.mount
 def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
     m, _ = saved
     res = engine(work, "--connector", "kvfs", "--mount", str(work), "--tenant", "acme",
@@ -245,6 +248,7 @@ def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
     assert "not a mount point" in res.stderr
 
 
+@pytest.mark.mount
 def test_without_the_backing_directory_b_restores_through_the_mount(work, saved):
     m, a = saved
     mode = m.backing.stat().st_mode
@@ -263,6 +267,7 @@ def test_without_the_backing_directory_b_restores_through_the_mount(work, saved)
     assert b["requests"][0]["token_ids"] == direct["requests"][0]["token_ids"]
 
 
+@pytest.mark.mount
 def test_a_corrupt_block_is_recomputed_like_a_missing_one(work, saved):
     """(Last of the tests on the shared mount: it damages A's blocks.)"""
     m, a = saved
@@ -302,6 +307,7 @@ def _a_hashes(a: dict) -> list[bytes]:
     return kv.hashing.block_hashes(a["requests"][0]["prompt_token_ids"], BLOCK)
 
 
+@pytest.mark.mount
 def test_two_mounts_sharing_s3_restore_each_others_context(work, s3):  # noqa: F811
     mounts = _Mounts(work / "s3mounts")
     try:

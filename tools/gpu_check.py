@@ -79,31 +79,28 @@ def place(mount: str | None, tenant: str, base: str | None) -> Iterator[Place]:
                 raise SystemExit(f"gpu_check: cannot add tenant {tenant}: {res.stderr.strip()}")
         yield Place(mount, "", f"the kvfs mount {mount}")
         return
-    tmp = tempfile.mkdtemp(prefix="kvfs-gpu-check-", dir=base)
-    backing, mnt = os.path.join(tmp, "backing"), os.path.join(tmp, "mnt")
-    os.makedirs(backing)
-    os.makedirs(mnt)
-    res = kvfs_cli("mount", backing, mnt, "--log", os.path.join(tmp, "daemon.log"))
-    mounted = res.returncode == 0 and os.path.ismount(mnt)
+    from kvfs.bench.harness import KvfsError, Mount, mounted
+
+    m = Mount.under(tempfile.mkdtemp(prefix="kvfs-gpu-check-", dir=base))
     try:
-        if mounted:
-            res = kvfs_cli("tenant", "add", mnt, tenant, "--uid", str(os.getuid()),
-                           "--gid", str(os.getgid()))
-            if res.returncode:
-                raise SystemExit(f"gpu_check: cannot add tenant: {res.stderr.strip()}")
-            yield Place(mnt, "", f"a kvfs mount made for this check over {backing}")
+        m.start()
+        why = None
+    except KvfsError as exc:
+        why = [line for line in str(exc).splitlines() if line.strip()]
+    try:
+        if why is None:
+            m.add_tenant(tenant)
+            yield Place(str(m.mnt), "", f"a kvfs mount made for this check over {m.backing}")
         else:
-            why = (res.stderr or res.stdout).strip().splitlines()
-            data = os.path.join(backing, tenant, "check")
+            data = os.path.join(m.backing, tenant, "check")
             os.makedirs(data)
             yield Place(None, data, "NO kvfs mount (it could not be mounted here: "
                         f"{why[-1] if why else 'no reason given'}); the same client over "
                         f"the plain directory {data}")
     finally:
-        if mounted:
-            kvfs_cli("umount", mnt)
-        if not os.path.ismount(mnt):
-            shutil.rmtree(tmp, ignore_errors=True)
+        m.stop(check=False)
+        if not mounted(m.mnt):
+            shutil.rmtree(m.mnt.parent, ignore_errors=True)
 
 
 def fs_type(path: str) -> str:

@@ -36,9 +36,10 @@ import tempfile
 import time
 from typing import Any
 
-from .common import can_drop_caches, conditions, finish
+from .common import finish
+from .harness import Mount, can_drop_caches, conditions, mounted
+from .records import Kind, figure_table
 
-KVFS = [sys.executable, "-m", "kvfs.cli"]
 TENANT = "bench"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MiB = 1 << 20
@@ -104,16 +105,15 @@ def run(args: argparse.Namespace) -> int:
     if args.cold and not cold:
         _log("not root: no cold-cache figures (dropping the page cache needs root)")
     work = tempfile.mkdtemp(prefix=".kvfs-bench-engines-", dir=args.work or os.getcwd())
-    backing, mnt, plain = (os.path.join(work, d) for d in ("backing", "mnt", "plain"))
-    for d in (backing, mnt, plain):
-        os.makedirs(d)
-    subprocess.run([*KVFS, "mount", backing, mnt, "--log", os.path.join(work, "daemon.log")],
-                   check=True, capture_output=True)
+    m = Mount.under(work)
+    plain = os.path.join(work, "plain")
+    os.makedirs(plain)
+    m.start()
+    mnt = str(m.mnt)
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
     try:
-        subprocess.run([*KVFS, "tenant", "add", mnt, TENANT, "--uid", "0", "--gid", "0"],
-                       check=True, capture_output=True)
+        m.add_tenant(TENANT, 0, 0)
         cond = conditions([plain, mnt])
         for engine in args.engines:
             names, plans = _plans(engine, mnt, plain, args.total_mib, args.repeats, cold)
@@ -124,8 +124,9 @@ def run(args: argparse.Namespace) -> int:
             raw[engine] = {n: r["bench"] for n, r in zip(names, results, strict=True)}
             rows += _rows(engine, names, raw[engine])
     finally:
-        subprocess.run([*KVFS, "umount", mnt], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+        m.stop(check=False)
+        if not mounted(m.mnt):
+            shutil.rmtree(work, ignore_errors=True)
     cond["load"] = "this machine is shared and was loaded by other work during the run"
     record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
@@ -170,3 +171,24 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also measure cold gets (root: drops the page cache)")
     p.add_argument("--work", help="directory for the mount and the plain directory "
                    "(default: here; the filesystem measured)")
+
+
+# -- the record, as `kvfs bench report` shows it --------------------------------------------
+
+
+KIND = Kind("backends", "Engines' storage backends", "kvfs bench backends --out docs/bench", """\
+`kvfs bench backends` (`kvfs/bench/backends.py`): SGLang 0.5.23 HiCache and LMCache 0.5.6, each
+driven through its own classes in the engines' venv (`tools/setup_engines.sh`): SGLang's
+storage factory over a real host KV pool (pages of 2 MiB, page-first, bfloat16), LMCache's
+StorageManager (chunks of 4 MiB). For each, the engine's own file backend (HiCacheFile on its
+generic page path; LocalDiskBackend) on a directory of the plain filesystem and on one of a
+kvfs mount over the same filesystem, and kvfs's backend on that mount (SGLang: zero-copy page
+forms; LMCache: the storage plugin), on the same amount of data (256 MiB). Set throughput
+(every page once), then get throughput warm (median of the repeats) and cold (page cache
+dropped before each, root only). The ratio is kvfs's backend over the engine's file backend
+on the plain filesystem, in the same run; the conditions column gives the file backend
+through the mount. kvfs's backend checksums every block it writes and verifies every block it
+reads (xxh3 over the payload), which the file backends do not do; the conditions column also
+gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the price of the
+verification is in the same run.""", figure_table,
+            ("kvfs", "baseline", "ratio"))

@@ -11,28 +11,17 @@ page cache is warm (the blocks were just written); `--cold` drops it before each
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from .common import conditions, finish
-
-KVFS = [sys.executable, "-m", "kvfs.cli"]
-
-
-def _drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
+from .common import finish
+from .harness import Mount, conditions, drop_caches, median, mounted
+from .plot import ttft
+from .records import Kind, md_table, num_text, number, ratio_text, rows_of
 
 
 def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int = 3,
@@ -45,17 +34,13 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
     model = TinyLM(TinyLMConfig(**(config or {})), seed=0)
     spec = model.spec(block_size)
     base = tempfile.mkdtemp(prefix="kvfs-crossover-", dir=workdir)
-    backing, mnt = os.path.join(base, "backing"), os.path.join(base, "mnt")
-    os.makedirs(backing)
-    os.makedirs(mnt)
-    subprocess.run([*KVFS, "mount", backing, mnt, "--log", os.path.join(base, "daemon.log")],
-                   check=True, capture_output=True)
+    m = Mount.under(base)
+    m.start()
     rows = []
     try:
-        subprocess.run([*KVFS, "tenant", "add", mnt, "bench", "--uid", str(os.getuid()),
-                        "--gid", str(os.getgid())], check=True, capture_output=True)
+        m.add_tenant("bench")
         rng = random.Random(0)
-        with KVCache.open(mnt, tenant="bench", spec=spec) as cache:
+        with KVCache.open(m.mnt, tenant="bench", spec=spec) as cache:
             for length in lengths:
                 tokens = [rng.randrange(model.config.vocab_size) for _ in range(length)]
                 logits, kv = model.prefill(tokens)
@@ -66,7 +51,7 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
                     full, _ = model.prefill(tokens)
                     recompute.append(time.perf_counter() - t0)
                     if cold:
-                        _drop_caches()
+                        drop_caches(3)
                     t0 = time.perf_counter()
                     restored, past = restore_prefix(cache, tokens)
                     tail, _ = model.prefill(tokens[restored:], past)
@@ -74,7 +59,7 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
                     if not torch.equal(tail[-1], full[-1]):
                         raise AssertionError(f"{length} tokens: the restored prefix gives other "
                                              "logits than the recompute")
-                rec, res = sorted(recompute)[repeats // 2], sorted(restore)[repeats // 2]
+                rec, res = median(recompute), median(restore)
                 rows.append({"tokens": length, "restored_tokens": restored,
                              "recompute_ms": round(rec * 1e3, 2),
                              "restore_ms": round(res * 1e3, 2),
@@ -85,8 +70,9 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
                       f"{res * 1e3:8.1f} ms ({restored} tokens from kvfs), identical",
                       file=sys.stderr, flush=True)
     finally:
-        if subprocess.run([*KVFS, "umount", mnt], capture_output=True).returncode == 0:
-            shutil.rmtree(base, ignore_errors=True)  # a mount left behind keeps its tree
+        m.stop(check=False)
+        if not mounted(m.mnt):  # a mount left behind keeps its tree
+            shutil.rmtree(base, ignore_errors=True)
     cross = next((r["tokens"] for r in rows if r["restore_ms"] < r["recompute_ms"]), None)
     from dataclasses import asdict  # noqa: PLC0415
 
@@ -133,4 +119,50 @@ def main(args: Any) -> int:
     config = getattr(args, "config", None) or {}
     record = run(args.lengths, workdir=args.dir, repeats=args.repeats, cold=args.cold,
                  block_size=getattr(args, "block_size", 16), config=config)
-    return finish(record, args, table(record))
+    return finish(record, args, table(record), draw)
+
+
+# -- the record, as `kvfs bench report` shows it --------------------------------------------
+
+
+def report_table(record: dict[str, Any]) -> list[str]:
+    head = ["context tokens", "recompute (ms)", "restore + tail (ms)",
+            "speedup (recompute / restore)", "first token identical"]
+    out = []
+    for r in rows_of(record):
+        rec, res = number(r.get("recompute_ms")), number(r.get("restore_ms"))
+        speed = r.get("speedup") if number(r.get("speedup")) else (rec / res if rec and res
+                                                                     else None)
+        ident = r.get("identical")
+        out.append([num_text(r.get("tokens"), "g"), num_text(rec, ".1f"), num_text(res, ".1f"),
+                    ratio_text(speed), "-" if ident is None else "yes" if ident else "**NO**"])
+    cross = number(record.get("crossover_tokens"))
+    tail = [f"Restoring beats recomputing from **{cross:g} tokens** on." if cross else
+            "Restoring never beat recomputing at these lengths." if out else ""]
+    return md_table(head, out) + ["", *tail]
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    return ttft(record, plt, (
+        ("recompute_ms", "recompute (prefill of every token)", "o-"),
+        ("restore_ms", "restore from kvfs + prefill of the tail", "s-")), "restore",
+        "kvfs bench crossover: time to first token, page cache "
+        f"{record.get('page_cache', '?')}")
+
+
+KIND = Kind("crossover", "Crossover", "kvfs bench crossover --lengths 16 32 64 128 256 512 1024 "
+            "2048 4096 --out docs/bench", """\
+`kvfs bench crossover` (`kvfs/bench/crossover.py`): for each context length, one request whose
+whole prefix was saved just before, through a real mount. Time to its first token when the
+prefix KV is restored (`lookup` + `load` on the direct path, then prefill of the tail that is
+not a whole block, at least the last token) against a full recompute (prefill of every token),
+with the demo transformer (`kvfs.tinylm`: 4 layers, d_model 256, 4 heads / 2 KV heads of 64,
+float32 KV, 4 KiB per token, blocks of 16 tokens, one CPU thread; a larger configuration from
+the command line). At every length the logits of the last token must be identical both ways,
+or the run fails. Median of the repeats; page cache warm (`--cold` drops it before each
+restore). The crossover is the shortest context from which restoring wins. For a tiny model
+the fixed cost of a lookup and a load weighs more than for a real one, which computes far more
+per token: its crossover comes earlier and its gain is larger. The run pins the method and the
+exactness; the milliseconds are this machine's.""", report_table,
+            ("tokens", "recompute_ms", "restore_ms", "speedup"), shown=("crossover_tokens",),
+            plot=draw)

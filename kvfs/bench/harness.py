@@ -1,0 +1,577 @@
+"""The one harness of every benchmark and of the tests' mount fixtures.
+
+- :class:`Mount`: a kvfs mount over a backing directory, started as a user starts it
+  (``kvfs mount``, ``kvfs tenant add``) and unmounted reliably (``kvfs umount``; a daemon
+  that does not answer: its FUSE connection aborted, then ``fusermount3 -u``/``-uz``);
+- the S3 server (:class:`S3Server`, SeaweedFS on loopback, from :mod:`kvfs.bench.seaweed`)
+  and :class:`FaultProxy`, a loopback TCP proxy that makes a store slow, silent or absent;
+- the page cache: :func:`drop_caches`, :func:`settle` (wait for the daemon to handle the
+  FORGETs a drop sends it);
+- one conditions schema (:func:`conditions`, :func:`conditions_after`): what every record
+  says about the machine it was measured on;
+- statistics: :func:`median`, :func:`quantile`, :func:`summary`.
+
+Stdlib only at import: `kvfs bench --help` and the tests import it without torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .seaweed import CLIENT_ENV, REGION, S3Server, free_ports, weed_binary
+
+__all__ = ["CLIENT_ENV", "REGION", "S3Server", "free_ports", "weed_binary"]
+
+#: How the daemon and the CLI are started: this interpreter, so this checkout's kvfs.
+KVFS = [sys.executable, "-m", "kvfs.cli"]
+#: Writing 1 drops the page cache, 2 dentries and inodes, 3 both (root only).
+DROP_CACHES = "/proc/sys/vm/drop_caches"
+
+
+# -- statistics ----------------------------------------------------------------------------------
+
+
+def median(xs: Sequence[float]) -> float | None:
+    """The median (the mean of the two middle values of an even count); None of nothing."""
+    s = sorted(xs)
+    n = len(s)
+    if not n:
+        return None
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def quantile(xs: Sequence[float], q: float) -> float | None:
+    """The nearest-rank quantile ``q`` in [0, 1] (p99 of 50 samples is their maximum)."""
+    s = sorted(xs)
+    if not s:
+        return None
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def summary(xs: Sequence[float]) -> dict[str, Any]:
+    """Count, p50, p99, max and min of ``xs``."""
+    return {"n": len(xs), "p50": median(xs), "p99": quantile(xs, 0.99),
+            "max": max(xs) if xs else None, "min": min(xs) if xs else None}
+
+
+# -- the machine ------------------------------------------------------------------------------
+
+
+def read_text(path: str | Path) -> str:
+    """A small file's text ('' when it cannot be read): /proc and /sys entries."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def cpu_model() -> str:
+    for line in read_text("/proc/cpuinfo").splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def memory_gib() -> float:
+    for line in read_text("/proc/meminfo").splitlines():
+        if line.startswith("MemTotal:"):
+            return round(int(line.split()[1]) / 2**20, 1)
+    return 0.0
+
+
+def can_drop_caches() -> bool:
+    """Whether this process may drop the kernel's caches (cold-cache figures need it)."""
+    if os.getuid() != 0:
+        return False
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write("1")
+    except OSError:
+        return False
+    return True
+
+
+def busy_cpus(seconds: float = 1.0) -> float:
+    """CPUs kept busy by other processes over ``seconds`` (this one sleeps meanwhile)."""
+    def sample() -> tuple[int, int]:
+        f = [int(x) for x in read_text("/proc/stat").splitlines()[0].split()[1:]]
+        return sum(f) - f[3] - f[4], sum(f)
+
+    b0, t0 = sample()
+    time.sleep(seconds)
+    b1, t1 = sample()
+    return round((b1 - b0) / max(1, t1 - t0) * (os.cpu_count() or 1), 2)
+
+
+def first_line(argv: list[str]) -> str | None:
+    """The first line a command prints (a version, a commit), None if it fails."""
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = (res.stdout or res.stderr).strip().splitlines()
+    return out[0] if res.returncode == 0 and out else None
+
+
+def filesystem_of(path: str | Path) -> dict[str, Any]:
+    """Type, source, mount point and device kind of the filesystem holding `path`."""
+    real = os.path.realpath(path)
+    best: dict[str, str] = {}
+    for line in read_text("/proc/self/mountinfo").splitlines():
+        left, _, right = line.partition(" - ")
+        f, r = left.split(), right.split()
+        if len(f) < 5 or len(r) < 2:
+            continue
+        mnt = f[4].replace("\\040", " ")
+        inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+        if inside and len(mnt) >= len(best.get("mnt", "")):
+            best = {"mnt": mnt, "type": r[0], "source": r[1]}
+    out: dict[str, Any] = {"type": best.get("type", "?"), "source": best.get("source", "?"),
+                           "mountpoint": best.get("mnt"), "kind": "unknown device"}
+    st = os.stat(real)
+    sysdev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    if os.path.exists(sysdev):
+        blk = os.path.realpath(sysdev)
+        if os.path.exists(os.path.join(blk, "partition")):
+            blk = os.path.dirname(blk)
+        name = os.path.basename(blk)
+        rot = read_text(os.path.join(blk, "queue", "rotational")).strip()
+        model = read_text(os.path.join(blk, "device", "model")).strip()
+        out.update(
+            device=name, model=model or None,
+            rotational=rot == "1" if rot else None,
+            read_ahead_kb=int(read_text(os.path.join(blk, "queue", "read_ahead_kb")).strip()
+                              or 0),
+            kind=("virtio disk" if "virtio" in blk else "NVMe SSD" if name.startswith("nvme")
+                  else "device-mapper/RAID volume" if name.startswith(("dm-", "md"))
+                  else "rotational disk" if rot == "1" else "SSD" if rot == "0"
+                  else "unknown device"),
+            size_gib=round(int(read_text(os.path.join(blk, "size")).strip() or 0) * 512 / 2**30,
+                           1))
+    else:
+        out["kind"] = f"no block device ({out['type']})"
+    return out
+
+
+# -- the conditions schema ----------------------------------------------------------------------
+
+#: Every key a record's ``conditions`` may hold with a meaning of its own (`kvfs bench report`
+#: renders these by name; any other key is listed as it is, as a benchmark's extra).
+CONDITION_KEYS = (
+    "time", "cpu", "cores", "cores_usable", "memory_gib", "gpu", "kernel", "filesystems",
+    "versions", "kvfs_commit", "kvfs_local_changes", "root", "cold_cache", "load_average",
+    "other_busy_cpus_before", "load_average_after", "other_busy_cpus_after")
+#: The modules whose versions every record carries (None: not installed).
+VERSIONS = ("torch", "kvikio", "pyfuse3", "boto3")
+
+
+def _version(name: str) -> str | None:
+    try:
+        module = __import__(name)
+    except Exception:  # noqa: BLE001 - absent or broken: recorded as such
+        return None
+    v = getattr(module, "__version__", None) or getattr(module, "VERSION", None)
+    return None if v is None else str(v)
+
+
+def kvfs_checkout() -> tuple[str | None, list[str]]:
+    """The commit of the kvfs measured and the files of its package changed since, when it
+    runs from a git checkout; (None, []) otherwise."""
+    import kvfs  # noqa: PLC0415
+
+    pkg = os.path.dirname(os.path.abspath(kvfs.__file__))
+    commit = first_line(["git", "-C", pkg, "rev-parse", "--short", "HEAD"])
+    if commit is None:
+        return None, []
+    res = subprocess.run(["git", "-C", pkg, "status", "--porcelain", "--", "."],
+                         capture_output=True, text=True)
+    return commit, [line[3:] for line in res.stdout.splitlines() if line.strip()]
+
+
+def conditions(dirs: Sequence[str] | dict[str, str], *, modules: Sequence[str] = VERSIONS,
+               tools: dict[str, list[str]] | None = None, gpu: bool = True,
+               load: bool = False) -> dict[str, Any]:
+    """The machine a record was measured on, in the one schema of :data:`CONDITION_KEYS`.
+
+    ``dirs``: the directories whose filesystems matter (a dict names them; a list keeps the
+    path as the label). ``modules``: Python modules whose versions to record (importing
+    torch costs seconds: a benchmark that does not use it leaves it out); ``tools``: name ->
+    argv printing a version (fio, weed). ``gpu``: ask torch for a GPU. ``load``: also sample
+    the CPUs other processes keep busy (one second). Add :func:`conditions_after` at the end.
+    """
+    import kvfs  # noqa: PLC0415
+
+    versions: dict[str, Any] = {"python": platform.python_version(), "kvfs": kvfs.__version__}
+    for name in modules:
+        versions[name] = _version(name)
+    for name, argv in (tools or {}).items():
+        versions[name] = first_line(argv) if shutil.which(argv[0]) else None
+    found_gpu = None
+    if gpu and "torch" in modules:
+        try:
+            import torch  # noqa: PLC0415
+
+            if torch.cuda.is_available():
+                found_gpu = torch.cuda.get_device_name(0)
+        except Exception:  # noqa: BLE001
+            pass
+    labelled = dirs if isinstance(dirs, dict) else {d: d for d in dirs}
+    commit, changed = kvfs_checkout()
+    out: dict[str, Any] = {
+        "time": time.strftime("%Y-%m-%d %H:%M:%S %z"),
+        "cpu": cpu_model(), "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)), "memory_gib": memory_gib(),
+        "gpu": found_gpu, "kernel": platform.release(),
+        "filesystems": {k: filesystem_of(v) for k, v in labelled.items()},
+        "versions": versions, "kvfs_commit": commit, "kvfs_local_changes": changed,
+        "root": os.getuid() == 0, "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+    if load:
+        out["other_busy_cpus_before"] = busy_cpus()
+    return out
+
+
+def conditions_after(cond: dict[str, Any], *, load: bool = False) -> dict[str, Any]:
+    """Add the load at the end of the run to ``cond`` (and return it)."""
+    if load:
+        cond["other_busy_cpus_after"] = busy_cpus()
+    cond["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    return cond
+
+
+# -- mounts ------------------------------------------------------------------------------------
+
+
+class KvfsError(RuntimeError):
+    """A `kvfs` command failed; the message has its output."""
+
+
+def fuse_available() -> str | None:
+    """None if real mounts can run here, else why not."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 not installed (apt install fuse3)"
+    if os.getuid() != 0:
+        return "real mounts run as root (they create tenants owned by other uids)"
+    return None
+
+
+def run_kvfs(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
+    """``kvfs ARGS`` as a subprocess of this interpreter; KvfsError when it fails (check)."""
+    res = subprocess.run([*KVFS, *map(str, args)], capture_output=True, text=True, **kw)
+    if check and res.returncode != 0:
+        raise KvfsError(f"kvfs {' '.join(map(str, args))} failed ({res.returncode}):\n"
+                        f"{res.stdout}\n{res.stderr}")
+    return res
+
+
+def mounted(mnt: str | Path) -> bool:
+    """Whether `mnt` is in this process's mount table (a dead daemon's mount, which
+    os.path.ismount cannot stat, included)."""
+    return any(len(f) > 4 and f[4] == str(mnt) for f in
+               (line.split() for line in read_text("/proc/self/mountinfo").splitlines()))
+
+
+def abort_connection(mnt: str | Path) -> None:
+    """Abort the FUSE connection of `mnt` (fusectl), failing every request still waiting on
+    it. A daemon killed with SIGKILL can be left unable to exit: a thread of it inside a kernel
+    notification waits on a directory lock that a request it will never answer holds; the
+    connection then lives on, and processes using the mount hang, until it is aborted."""
+    dev = None
+    for line in read_text("/proc/self/mountinfo").splitlines():  # (stat of it could hang)
+        fields = line.split()
+        if len(fields) > 4 and fields[4] == str(mnt):
+            dev = fields[2]
+    if dev is None:
+        return
+    conns = "/sys/fs/fuse/connections"
+    with contextlib.suppress(OSError):
+        if not os.listdir(conns):
+            subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
+    with contextlib.suppress(OSError), open(f"{conns}/{dev.split(':')[1]}/abort", "w") as f:
+        f.write("1")
+
+
+def force_unmount(mnt: str | Path) -> None:
+    """Unmount `mnt` whatever its daemon does: abort its connection, then unmount, lazily
+    if need be."""
+    abort_connection(mnt)
+    for flags in ("-u", "-uz"):
+        if mounted(mnt):
+            subprocess.run(["fusermount3", flags, str(mnt)], capture_output=True)
+
+
+@dataclass
+class Mount:
+    """A kvfs mount over ``backing`` at ``mnt``, its daemon logging to ``log``."""
+
+    backing: Path
+    mnt: Path
+    log: Path
+    extra: list[str] = field(default_factory=list)
+    #: The daemon's environment (None: this one's), e.g. an S3 identity.
+    env: dict[str, str] | None = None
+    name: str = ""
+
+    @classmethod
+    def under(cls, base: str | Path, extra: Sequence[str] = (), **kw: Any) -> Mount:
+        """A mount of ``base/backing`` at ``base/mnt`` logging to ``base/daemon.log``; the
+        directories made, ``base`` traversable by every uid (tenants' processes)."""
+        base = Path(base)
+        (base / "backing").mkdir(parents=True, exist_ok=True)
+        (base / "mnt").mkdir(parents=True, exist_ok=True)
+        os.chmod(base, 0o755)
+        kw.setdefault("name", base.name)
+        return cls(base / "backing", base / "mnt", base / "daemon.log", list(extra), **kw)
+
+    def start(self, timeout: float | None = None) -> float:
+        """Mount (``kvfs mount`` returns once the daemon serves); the seconds it took."""
+        t = time.perf_counter()
+        run_kvfs("mount", self.backing, self.mnt, "--log", self.log, *self.extra,
+                 env=self.env, timeout=timeout)
+        dt = time.perf_counter() - t
+        if not os.path.ismount(self.mnt):
+            raise KvfsError(f"kvfs mount returned but {self.mnt} is not a mount point")
+        return dt
+
+    def add_tenant(self, tenant: str, uid: int | None = None, gid: int | None = None) -> Path:
+        """``kvfs tenant add`` (this process's uid/gid by default); the tenant's directory."""
+        run_kvfs("tenant", "add", self.mnt, tenant, "--uid",
+                 str(os.getuid() if uid is None else uid), "--gid",
+                 str(os.getgid() if gid is None else gid))
+        return Path(self.mnt) / tenant
+
+    def stop(self, *, check: bool = True, timeout: float | None = None) -> float:
+        """``kvfs umount``; the seconds it took. A failed unmount raises KvfsError (check)
+        after unmounting by force, or just unmounts by force (not check)."""
+        t = time.perf_counter()
+        if os.path.ismount(self.mnt):
+            args = ["umount", self.mnt, *([] if timeout is None else ["--timeout",
+                                                                         str(int(timeout))])]
+            res = run_kvfs(*args, check=False)
+            if res.returncode != 0:
+                force_unmount(self.mnt)
+                if check:
+                    raise KvfsError(f"kvfs umount {self.mnt} failed ({res.returncode}):\n"
+                                    f"{res.stdout}\n{res.stderr}")
+        elif mounted(self.mnt):  # a dead daemon leaves a mount the kernel must drop
+            force_unmount(self.mnt)
+        return time.perf_counter() - t
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def stats(self) -> dict[str, Any]:
+        """The daemon's ``.kvfs/stats.json``."""
+        with open(os.path.join(self.mnt, ".kvfs", "stats.json"), "rb") as f:
+            return json.loads(f.read())
+
+    def pid(self) -> int:
+        return int(self.stats()["pid"])
+
+    def tier(self, i: int = 0) -> dict[str, Any]:
+        """The counters of the mount's `i`-th lower tier."""
+        return self.stats()["tiers"][i]
+
+    @property
+    def alive(self) -> bool:
+        try:
+            self.stats()
+        except OSError:
+            return False
+        return True
+
+    def memory(self) -> dict[str, float]:
+        """The daemon's resident memory now and at its peak, MiB (VmRSS, VmHWM)."""
+        out = {}
+        for line in read_text(f"/proc/{self.pid()}/status").splitlines():
+            key, _, val = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(val.split()[0]) / 1024
+        return out
+
+    def log_text(self) -> str:
+        return read_text(self.log)
+
+    def tracebacks(self) -> int:
+        """How many tracebacks the daemon logged."""
+        return self.log_text().count("Traceback")
+
+    def log_excerpt(self, n: int = 30, grep: Sequence[str] = ("WARNING", "ERROR", "Traceback")
+                    ) -> list[str]:
+        """The last `n` lines of the daemon's log that hold one of `grep`."""
+        return [line for line in self.log_text().splitlines()
+                if any(g in line for g in grep)][-n:]
+
+
+# -- the page cache ------------------------------------------------------------------------------
+
+
+def cpu_ticks(pid: int) -> int:
+    """User + system clock ticks a process has used."""
+    fields = read_text(f"/proc/{pid}/stat").rsplit(")", 1)[-1].split()
+    return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
+
+
+def settle(pid: int, limit: float = 120.0, step: float = 0.2, idle_ticks: int = 1) -> float:
+    """Wait until process `pid` (a daemon) is idle: at most `idle_ticks` ticks over `step`
+    seconds (dropping the kernel's dentries sends a daemon one FORGET per inode, which it
+    handles after drop_caches has returned); the seconds waited."""
+    t = time.perf_counter()
+    last = cpu_ticks(pid)
+    while time.perf_counter() - t < limit:
+        time.sleep(step)
+        now = cpu_ticks(pid)
+        if now - last <= idle_ticks:
+            break
+        last = now
+    return time.perf_counter() - t
+
+
+def drop_caches(level: int = 3, daemon_pid: int | None = None) -> bool:
+    """``sync; echo LEVEL > drop_caches`` (1: page cache; 2: dentries and inodes; 3: both),
+    then, given a daemon, wait until it has handled the FORGETs; False when not allowed."""
+    os.sync()
+    try:
+        with open(DROP_CACHES, "w") as f:
+            f.write(str(level))
+    except OSError:
+        return False
+    if daemon_pid is not None:
+        settle(daemon_pid, limit=30, step=0.1, idle_ticks=0)
+    return True
+
+
+# -- a slow, silent or absent store ----------------------------------------------------------------
+
+
+class FaultProxy:
+    """A loopback TCP proxy to ``target`` (host, port), a thread pair per connection.
+
+    ``mode`` "forward" passes bytes on: ``delay`` seconds are added before each chunk a client
+    sends is passed on (one request of an HTTP client that waits for its answer is one
+    chunk); each response's first byte (the first server bytes after the client sent some)
+    is held ``latency`` seconds; the server's bytes are paced to ``bandwidth`` bytes/s per
+    connection (0: unpaced). Mode "silent" accepts connections and reads requests but never
+    passes them on nor answers (a store that hangs); it may be set at any time and holds
+    for connections already open. A connection the target refuses is closed at once
+    (counted in ``refused``). Close the proxy to drop every connection.
+    """
+
+    def __init__(self, target: tuple[str, int] | None = None, *, mode: str = "forward",
+                 delay: float = 0.0, latency: float = 0.0, bandwidth: float = 0.0) -> None:
+        if mode not in ("forward", "silent") or (mode == "forward" and target is None):
+            raise ValueError(f"bad proxy mode {mode!r} / target {target!r}")
+        self.target, self.mode = target, mode
+        self.delay, self.latency, self.bandwidth = delay, latency, bandwidth
+        self.connections = self.requests = self.swallowed = self.refused = 0
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.port = self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="proxy-accept").start()
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _keep(self, s: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                s.close()
+                return False
+            self._socks.append(s)
+            return True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._keep(conn):
+                return
+            self.connections += 1
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _swallow(self, conn: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while conn.recv(1 << 16):
+                self.swallowed += 1
+
+    def _serve(self, conn: socket.socket) -> None:
+        if self.mode == "silent" or self.target is None:
+            self._swallow(conn)
+            return
+        try:
+            up = socket.create_connection(self.target, timeout=10)
+        except OSError:
+            self.refused += 1
+            conn.close()
+            return
+        up.settimeout(None)
+        if not self._keep(up):
+            conn.close()
+            return
+        asked = threading.Event()
+
+        def client_to_server() -> None:
+            with contextlib.suppress(OSError):
+                while data := conn.recv(1 << 16):
+                    if self.mode == "silent":
+                        self.swallowed += 1
+                        continue
+                    if self.delay > 0:
+                        time.sleep(self.delay)
+                    self.requests += 1
+                    asked.set()
+                    up.sendall(data)
+            with contextlib.suppress(OSError):
+                up.shutdown(socket.SHUT_WR)
+
+        threading.Thread(target=client_to_server, daemon=True).start()
+        with contextlib.suppress(OSError):
+            while data := up.recv(1 << 16):
+                if asked.is_set():
+                    asked.clear()
+                    if self.latency > 0:
+                        time.sleep(self.latency)
+                if self.bandwidth:
+                    time.sleep(len(data) / self.bandwidth)
+                conn.sendall(data)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            socks, self._socks = self._socks, []
+        self._listener.close()
+        for s in socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def refused_port() -> int:
+    """A loopback port nobody listens on (connections to it are refused)."""
+    (port,) = free_ports(1)
+    return port
