@@ -160,7 +160,7 @@ def test_constant_control_calls(mount, cache):
 def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
     """Access records go on a control thread that ends once idle, so a client never closed
     keeps no thread; the next record starts another, and nothing is lost on the way."""
-    from kvfs import client as client_module
+    from kvfs.client import channel as client_module
 
     monkeypatch.setattr(client_module, "CONTROL_IDLE_S", 0.2)
     c = KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
@@ -169,11 +169,11 @@ def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
         c.save(hashes, kv_of(hashes))
         for round_ in range(2):
             assert c.load(hashes, empty(2)) == 2
-            assert c._sender is not None
+            assert c._channel._sender is not None
             deadline = time.monotonic() + 10
-            while c._sender is not None and time.monotonic() < deadline:
+            while c._channel._sender is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert c._sender is None, "the control thread did not end"
+            assert c._channel._sender is None, "the control thread did not end"
             assert ns_stats(mount)["direct_needed_bytes"] == (round_ + 1) * 2 * (
                 4096 + SPEC.block_payload_bytes)
     finally:
