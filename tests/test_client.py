@@ -220,14 +220,15 @@ BIG = kvfs.ModelSpec(model="org/big", revision="r1", kv_dtype="bfloat16", block_
                      num_layers=4, num_kv_heads=4, head_dim=1030)
 
 
-@pytest.mark.parametrize("reader", ["host", "transport"])
+@pytest.mark.parametrize("reader", ["host", "transport", "layerwise"])
 @pytest.mark.parametrize("verify", ["full", "sampled"])
 def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
     """The loader reads no fstat: a probe past the padding tells the file's length. A block
     one byte too long, one missing a byte of padding, or one cut in its payload is a miss
     whether or not its checksum is sampled, nothing of it stays in `out`, and the daemon
     quarantines it. "transport" is the path CUDA destinations take (through the transport,
-    with an fstat), run here with host tensors: the same verdicts."""
+    with an fstat), run here with host tensors: the same verdicts; so is "layerwise"
+    (load_async: each header and length checked by blockfile.check_head before any layer)."""
     quarantined = 0
     for spec in (SPEC, BIG):
         assert spec.block_payload_bytes % 4096  # padded: the probe covers padding + 1 byte
@@ -246,6 +247,8 @@ def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
                 out = torch.full_like(kv, 7.0)
                 if reader == "host":
                     assert c.load(hashes, out) == 1, what
+                elif reader == "layerwise":
+                    assert c.load_async(hashes, out).wait(timeout=60) == 1, what
                 else:
                     blocks = c._blocks(out, 3, "out")
                     assert c._load(hashes, lambda i, b=blocks: [b[i].reshape(-1)]) == 1, what
