@@ -37,7 +37,7 @@ from .layout import MANIFEST, STATE_DIR
 from .policy import DEFAULT_POLICY, Policy, policy_by_name
 from .stats import Key, Stats
 from .store import BackingStore
-from .tiering import Tiering
+from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
 
