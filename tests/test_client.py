@@ -72,6 +72,17 @@ def test_import_kvfs_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_client_imports_no_daemon_module():
+    """The client side never loads pyfuse3, trio or a daemon module: it takes on-disk names
+    from kvfs.layout and attribute names from kvfs.control."""
+    code = ("import sys, kvfs.client, kvfs.client.cache, kvfs.client.channel, "
+            "kvfs.client.load, kvfs.client.save, kvfs.client.layouts; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('pyfuse3', 'trio') or m in "
+            "('kvfs.store', 'kvfs.fs', 'kvfs.index', 'kvfs.backing', 'kvfs.fsck', 'kvfs.mount')"
+            " or m.startswith('kvfs.tiers')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_open_makes_namespace_and_manifest(mount, tenant):
     with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
         assert c.direct
