@@ -34,7 +34,7 @@ from .promotion import Promotion
 from .reclaim import Reclaim
 from .settings import DEFAULTS
 from .store import BackingStore
-from .tiering import Tiering
+from .tiers.mover import Tiering
 from .tree import NAME_MAX, MountInfo, Tree, attr_changes, check_move, check_name, join, owner_gid
 from .virtual import VDIR, VDIR_NAME, VFILES, VSTATS, VVERSION
 from .xattrs import Xattrs

@@ -26,8 +26,8 @@ from .metrics import Metrics
 from .notify import notify
 from .settings import DEFAULTS
 from .store import BackingStore
-from .tiering import Tiering
 from .tiers import parse_tier_url
+from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
 

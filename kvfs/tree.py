@@ -51,7 +51,7 @@ from .residency import Residency
 from .settings import DEFAULTS
 from .stats import Key, Stats
 from .store import BackingStore
-from .tiering import Tiering
+from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
 

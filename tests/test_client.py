@@ -72,6 +72,17 @@ def test_import_kvfs_imports_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def test_the_client_imports_no_daemon_module():
+    """The client side never loads pyfuse3, trio or a daemon module: it takes on-disk names
+    from kvfs.layout and attribute names from kvfs.control."""
+    code = ("import sys, kvfs.client, kvfs.client.cache, kvfs.client.channel, "
+            "kvfs.client.load, kvfs.client.save, kvfs.client.layouts; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('pyfuse3', 'trio') or m in "
+            "('kvfs.store', 'kvfs.fs', 'kvfs.index', 'kvfs.backing', 'kvfs.fsck', 'kvfs.mount')"
+            " or m.startswith('kvfs.tiers')]; assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_open_makes_namespace_and_manifest(mount, tenant):
     with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
         assert c.direct
@@ -160,7 +171,7 @@ def test_constant_control_calls(mount, cache):
 def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
     """Access records go on a control thread that ends once idle, so a client never closed
     keeps no thread; the next record starts another, and nothing is lost on the way."""
-    from kvfs import client as client_module
+    from kvfs.client import channel as client_module
 
     monkeypatch.setattr(client_module, "CONTROL_IDLE_S", 0.2)
     c = KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
@@ -169,11 +180,11 @@ def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
         c.save(hashes, kv_of(hashes))
         for round_ in range(2):
             assert c.load(hashes, empty(2)) == 2
-            assert c._sender is not None
+            assert c._channel._sender is not None
             deadline = time.monotonic() + 10
-            while c._sender is not None and time.monotonic() < deadline:
+            while c._channel._sender is not None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            assert c._sender is None, "the control thread did not end"
+            assert c._channel._sender is None, "the control thread did not end"
             assert ns_stats(mount)["direct_needed_bytes"] == (round_ + 1) * 2 * (
                 4096 + SPEC.block_payload_bytes)
     finally:
@@ -220,14 +231,15 @@ BIG = kvfs.ModelSpec(model="org/big", revision="r1", kv_dtype="bfloat16", block_
                      num_layers=4, num_kv_heads=4, head_dim=1030)
 
 
-@pytest.mark.parametrize("reader", ["host", "transport"])
+@pytest.mark.parametrize("reader", ["host", "transport", "layerwise"])
 @pytest.mark.parametrize("verify", ["full", "sampled"])
 def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
     """The loader reads no fstat: a probe past the padding tells the file's length. A block
     one byte too long, one missing a byte of padding, or one cut in its payload is a miss
     whether or not its checksum is sampled, nothing of it stays in `out`, and the daemon
     quarantines it. "transport" is the path CUDA destinations take (through the transport,
-    with an fstat), run here with host tensors: the same verdicts."""
+    with an fstat), run here with host tensors: the same verdicts; so is "layerwise"
+    (load_async: each header and length checked by blockfile.check_head before any layer)."""
     quarantined = 0
     for spec in (SPEC, BIG):
         assert spec.block_payload_bytes % 4096  # padded: the probe covers padding + 1 byte
@@ -246,6 +258,8 @@ def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
                 out = torch.full_like(kv, 7.0)
                 if reader == "host":
                     assert c.load(hashes, out) == 1, what
+                elif reader == "layerwise":
+                    assert c.load_async(hashes, out).wait(timeout=60) == 1, what
                 else:
                     blocks = c._blocks(out, 3, "out")
                     assert c._load(hashes, lambda i, b=blocks: [b[i].reshape(-1)]) == 1, what

@@ -600,8 +600,8 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
     being listed it waits, so that the listing (which read the directory before the block
     arrived) does not drop the fetched block's entry as gone."""
     from kvfs import blockfile, hashing
-    from kvfs.tiering import Tiering
     from kvfs.tiers import DirTier
+    from kvfs.tiers.mover import Tiering
 
     backing = tmp_path / "backing"
     (backing / ".kvfs").mkdir(parents=True)

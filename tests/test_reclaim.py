@@ -211,8 +211,8 @@ def test_eviction_demotes_blocks_to_the_next_tier(tmp_path):
     tier 1, out of the hot usage), and a later lookup can fetch it back. A plain file is
     deleted."""
     from kvfs import blockfile, hashing  # noqa: PLC0415
-    from kvfs.tiering import Tiering  # noqa: PLC0415
     from kvfs.tiers import DirTier  # noqa: PLC0415
+    from kvfs.tiers.mover import Tiering  # noqa: PLC0415
 
     backing = tmp_path / "backing"
     (backing / ".kvfs").mkdir(parents=True)

@@ -152,8 +152,8 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
     answer is not renamed into the hot tier behind the daemon's back."""
     import trio
 
-    from kvfs.tiering import Tiering
     from kvfs.tiers import DirTier
+    from kvfs.tiers.mover import Tiering
 
     class LateTier(DirTier):
         def get(self, key, dest):
@@ -188,8 +188,8 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
 def test_concurrent_fetches_of_one_block_share_one_fetch(tmp_path):
     import trio
 
-    from kvfs.tiering import Tiering
     from kvfs.tiers import DirTier
+    from kvfs.tiers.mover import Tiering
 
     calls = []
 
@@ -231,8 +231,8 @@ def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
 
     import trio
 
-    from kvfs.tiering import Tiering
     from kvfs.tiers import DirTier
+    from kvfs.tiers.mover import Tiering
 
     release = threading.Event()
     calls = []

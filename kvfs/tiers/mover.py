@@ -1,7 +1,8 @@
-"""Moving blocks between the hot tier and the lower tiers, on the daemon's event loop.
+"""The mover: moving blocks between the hot tier and the lower tiers, on the daemon's event loop.
 
-The tiers themselves (`kvfs.tiers`) are blocking stores; this module runs them from worker
-threads with deadlines, circuit breakers and one fetch per key at a time:
+The tiers themselves (`kvfs.tiers.dir`, `kvfs.tiers.s3`) are blocking stores; this module's
+:class:`Tiering` runs them from worker threads with deadlines, circuit breakers
+(`kvfs.tiers.breaker`) and one fetch per key at a time:
 
 - `fetch(key, rel)`: a hot miss looks in each lower tier in order. The first that has the
   block delivers it into a temporary in a directory only the daemon writes (the backing
@@ -32,8 +33,9 @@ from typing import Any, Protocol
 
 import trio
 
-from . import blockfile, hashing
-from .tiers import Breaker, Tier, TierError, fetch_deadline
+from .. import blockfile, hashing
+from .base import Tier, TierError
+from .breaker import Breaker, fetch_deadline
 
 log = logging.getLogger(__name__)
 

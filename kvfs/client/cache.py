@@ -1,0 +1,323 @@
+"""The cache object: :class:`KVCache`, one model namespace of a kvfs mount, opened for the
+direct path.
+
+A :class:`KVCache` is ``<mount>/<tenant>/<spec.namespace>``. Bulk bytes go straight to the
+namespace's backing directory (which the daemon names in the ``user.kvfs.backing`` xattr):
+`preadv` / kvikio reads into the caller's tensors (:mod:`.load`), and temporary files written
+with `pwritev` and renamed into place (:mod:`.save`). The daemon hears about it in a constant
+number of control calls per request, never one per block (:mod:`.channel`). Where the
+backing directory is not accessible to this process, the same reads and writes go through
+the mount (slower; the daemon completes blocks renamed into place there itself).
+
+This module holds what is neither save nor load: opening (the namespace and its manifest:
+one for another spec is refused with :class:`SpecMismatch`, a configuration error), closing,
+the counters, block names, lookups (asking the lower tiers for a hot miss) and prefetches.
+
+CUDA tensors: a call first waits for the work queued on the caller's current stream (kernels
+still writing ``kv`` or reading ``out``); bytes land through the transport (kvikio, or pinned
+host buffers and the I/O threads' own streams), all synchronized before the call (or the
+handle) returns.
+
+Every method may be called from several threads at once. A layer-wise load keeps the files of
+all its blocks open, so opening a cache raises the process's soft open-file limit (up to
+:data:`FD_LIMIT`, within the hard limit).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import resource
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from .. import blockfile, control
+from ..hashing import ModelSpec
+from ..hashing import block_hashes as _block_hashes
+from ..layout import MANIFEST as _MANIFEST
+from ..layout import TEMP_PREFIX
+from ..transport import PosixTransport
+from ..transport import select as select_transport
+from .channel import ControlChannel
+from .layouts import DTYPES
+from .load import Loading
+from .save import Saving
+
+log = logging.getLogger(__name__)
+
+MANIFEST = os.fsdecode(_MANIFEST)
+BACKING_XATTR = os.fsdecode(control.BACKING)
+TIERS_XATTR = os.fsdecode(control.TIERS)
+#: The soft open-file limit a client raises itself to (within the hard limit).
+FD_LIMIT = 65536
+_TEMP = os.fsdecode(TEMP_PREFIX)
+_COUNTERS = (
+    "lookups", "hit_blocks", "miss_blocks",  # lookup()
+    "loaded_blocks", "read_bytes", "needed_bytes", "corrupt_blocks", "mismatched_blocks",
+    "saved_blocks", "present_blocks", "written_bytes", "dropped_saves", "failed_saves",
+    "control_calls",  # setxattr calls on the namespace directory
+)
+
+
+class SpecMismatch(ValueError):
+    """A namespace's manifest was written for another model spec."""
+
+
+class KVCache(Saving, Loading):
+    """The blocks of one model namespace of a kvfs mount. Use :meth:`open`.
+
+    Save and load live in their base classes (:class:`~kvfs.client.save.Saving`,
+    :class:`~kvfs.client.load.Loading`); control calls go through ``_channel``.
+    """
+
+    def __init__(
+        self,
+        ns_dir: str,
+        data_dir: str,
+        spec: ModelSpec,
+        *,
+        direct: bool,
+        io: str | None = None,
+        threads: int | None = None,
+        verify: str = "full",
+        fsync: bool = False,
+        max_pending_saves: int = 8,
+    ) -> None:
+        if verify not in ("full", "sampled"):
+            raise ValueError(f"verify must be 'full' or 'sampled', got {verify!r}")
+        threads = threads or min(32, 4 * (os.cpu_count() or 1))
+        self.ns_dir, self.data_dir, self.spec, self.direct = ns_dir, data_dir, spec, direct
+        self.verify, self.fsync = verify, fsync
+        self._full = verify == "full"
+        self.transport: PosixTransport = select_transport(io, spec.block_payload_bytes, threads)
+        self._dtype = DTYPES[spec.kv_dtype]
+        # ModelSpec computes these on each access (the fingerprint hashes a JSON encoding:
+        # ~50 us), and every block read or written checks or writes them.
+        self._fingerprint, self._shape = spec.fingerprint, spec.block_shape
+        self._layer_bytes = spec.block_payload_bytes // spec.num_layers
+        self._file_bytes = blockfile.HEADER_SIZE + spec.block_payload_bytes
+        self._header_check = blockfile.HeaderCheck(
+            fingerprint=self._fingerprint, token_count=spec.block_size, dtype=spec.kv_dtype,
+            shape=self._shape)
+        self._pad = self._header_check.file_size - self._file_bytes
+        self._data_prefix = os.path.join(data_dir, "")
+        self._threads = threads
+        self._tls = threading.local()  # each I/O thread's header and probe buffers
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
+        self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
+        self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self._save_slots = threading.BoundedSemaphore(max_pending_saves)
+        self._writer: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        # Every call to the daemon, access records sent in order by its control thread.
+        self._channel = ControlChannel(ns_dir, self._count)
+        self._closed = False
+        try:  # the mount's lower tiers: a hot miss may still be a hit there
+            self.tiers = [t for t in os.getxattr(ns_dir, TIERS_XATTR).decode().split(",") if t]
+        except OSError:
+            self.tiers = []
+        _raise_fd_limit()
+
+    # -- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def open(cls, mount: str | os.PathLike[str], *, tenant: str, spec: ModelSpec,
+             direct: bool | None = None, **options: Any) -> KVCache:
+        """Open (making it if absent) ``spec``'s namespace of ``tenant`` in a kvfs mount.
+
+        ``direct``: None uses the backing directory where this process may (else the mount);
+        True insists on it; False always goes through the mount. ``options``: ``io``
+        ("posix" / "kvikio"; default $KVFS_IO, else automatic), ``threads`` (I/O pool size,
+        default min(32, 4 * cpus)), ``verify`` ("full" / "sampled"), ``fsync`` (fsync each
+        block before renaming it into place; default off), ``max_pending_saves`` (the
+        :meth:`save_async` queue bound, default 8).
+        """
+        mount = os.fspath(mount)
+        tenant_dir = os.path.join(mount, tenant)
+        ns_dir = os.path.join(tenant_dir, spec.namespace)
+        try:
+            os.mkdir(ns_dir)  # through the mount: the daemon indexes it
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                errno.ENOENT, f"no tenant {tenant!r} in {mount} (see: kvfs tenant add)",
+                tenant_dir) from None
+        except PermissionError:
+            raise PermissionError(
+                errno.EACCES, f"this process (uid {os.getuid()}) may not use tenant {tenant!r}",
+                tenant_dir) from None
+        _check_manifest(ns_dir, spec)
+        try:
+            backing = os.fsdecode(os.getxattr(ns_dir, BACKING_XATTR))
+        except OSError as exc:
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+                raise ValueError(f"{mount} is not a kvfs mount (no {BACKING_XATTR})") from None
+            raise
+        usable = os.access(backing, os.R_OK | os.W_OK | os.X_OK)
+        if direct and not usable:
+            raise PermissionError(errno.EACCES, "backing directory not accessible", backing)
+        direct = usable if direct is None else direct
+        if not direct:
+            log.warning("%s: blocks are read and written through the mount, not the backing "
+                        "directory %s (slower)", ns_dir, backing)
+        return cls(ns_dir, backing if direct else ns_dir, spec, direct=direct, **options)
+
+    def close(self) -> None:
+        """Finish queued saves, send a held-back access record, then stop the I/O threads."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self._writer is not None:
+            self._saves.put(None)
+            self._writer.join()
+        self._channel.close()
+        self._loads.shutdown(wait=True)
+        self._pool.shutdown(wait=True)
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "direct" if self.direct else "through the mount"
+        return f"KVCache({self.ns_dir!r}, {mode}, io={self.transport.name})"
+
+    # -- counters ------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Counters of this client, once the access records queued before the call are
+        sent; ``fetch_amplification`` = bytes read / bytes of the blocks loaded (1.0: every
+        block read exactly once; None before any load)."""
+        self._channel.drain()
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+        out["fetch_amplification"] = (out["read_bytes"] / out["needed_bytes"]
+                                      if out["needed_bytes"] else None)
+        return out
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._counters[k] += v
+
+    # -- names ---------------------------------------------------------------------------
+
+    def block_hashes(self, token_ids: Any, *, parent: bytes | None = None,
+                     extra: bytes | str | None = None) -> list[bytes]:
+        """Hashes of the full blocks of ``token_ids`` (:func:`kvfs.hashing.block_hashes`)."""
+        return _block_hashes(token_ids, self.spec.block_size, parent=parent, extra=extra)
+
+    def path(self, h: bytes) -> str:
+        """Where block ``h`` is read and written (backing directory, or the mount):
+        ``<data_dir>/<hh>/<hash>.kv`` (:func:`kvfs.hashing.block_relpath`)."""
+        if len(h) != 16:
+            raise ValueError(f"a block hash is 16 bytes, got {len(h)}")
+        x = h.hex()
+        return f"{self._data_prefix}{x[:2]}/{x}.kv"
+
+    # -- lookup and prefetch -------------------------------------------------------------
+
+    def lookup(self, hashes: Sequence[bytes], *, budget: float | None = None) -> int:
+        """The length, in blocks, of the longest prefix of ``hashes`` that is cached.
+
+        ``budget``: at most this many seconds for the blocks the lower tiers must supply
+        (for example, the time to recompute them): what has not arrived by then is a miss
+        for this lookup, and keeps arriving in the background for the next one. None: each
+        fetch is bounded by the mount's fetch deadline only."""
+        n = self._hot_prefix(hashes, 0)
+        fetched = n < len(hashes) and bool(self.tiers)
+        if fetched:
+            # One control call: the daemon fetches what the lower tiers have (each fetch
+            # within its deadline) and places it hot.
+            end = None if budget is None else time.monotonic() + budget
+            for i in range(n, len(hashes), control.MAX_HASHES):
+                left = None if end is None else max(0.0, end - time.monotonic())
+                self._channel.report(control.FETCH, control.pack_fetch(
+                    list(hashes[i:i + control.MAX_HASHES]), left))
+            n = self._hot_prefix(hashes, n)
+        miss, bs = len(hashes) - n, self.spec.block_size
+        # A lookup that found blocks holds its record back for the load that follows (one
+        # control call per lookup + load); one that found none, or fetched, sends it now.
+        self._channel.access(hashes[:n], defer=n > 0 and not fetched, now=fetched, lookups=1,
+                     hit_blocks=n, miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
+        self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
+        return n
+
+    def _hot_prefix(self, hashes: Sequence[bytes], start: int) -> int:
+        n, path, access, there = start, self.path, os.access, os.F_OK
+        for h in hashes[start:]:
+            # faccessat(F_OK) as this process's effective ids, as stat would: half the cost
+            # of os.path.exists, which builds a stat result.
+            if not access(path(h), there, effective_ids=True):
+                break
+            n += 1
+        return n
+
+    def prefetch(self, hashes: Sequence[bytes]) -> Future[int]:
+        """Start warming what a queued request will need: promotions from the lower tiers
+        (the daemon runs them in the background) and the page cache for the hot prefix of
+        ``hashes``; the future gives the number of hot blocks warmed."""
+        if self.tiers:
+            for i in range(0, len(hashes), control.MAX_HASHES):
+                self._channel.report(control.PREFETCH, control.pack_hashes(
+                    list(hashes[i:i + control.MAX_HASHES])))
+        return self._pool.submit(self._prefetch, list(hashes))
+
+    def _prefetch(self, hashes: list[bytes]) -> int:
+        n = 0
+        for h in hashes:
+            try:
+                fd = os.open(self.path(h), os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                break
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            finally:
+                os.close(fd)
+            n += 1
+        return n
+
+
+
+def _raise_fd_limit() -> None:
+    """A layer-wise load keeps every block of a request open: allow many open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        log.debug("raised the open-file limit from %d to %d", soft, want)
+
+
+def _check_manifest(ns_dir: str, spec: ModelSpec) -> None:
+    """Write the namespace's manifest if it has none; refuse one for another spec."""
+    path = os.path.join(ns_dir, MANIFEST)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        tmp = os.path.join(ns_dir, f"{_TEMP}{MANIFEST}.{os.getpid()}.{os.urandom(4).hex()}")
+        with open(tmp, "xb") as f:
+            f.write(spec.manifest_json())
+        os.rename(tmp, path)  # atomic: a concurrent opener reads all of it or none
+        return
+    try:
+        found = ModelSpec.from_manifest(data)
+    except (ValueError, TypeError) as exc:
+        raise SpecMismatch(f"{path} is not a valid manifest ({exc}); refusing to use "
+                           f"this namespace") from None
+    if found.fingerprint != spec.fingerprint:
+        raise SpecMismatch(
+            f"{path} is for fingerprint {found.fingerprint.hex()} ({found.model} "
+            f"{found.revision} {found.kv_dtype}), not {spec.fingerprint.hex()} "
+            f"({spec.model} {spec.revision} {spec.kv_dtype}): its blocks are not this model's")

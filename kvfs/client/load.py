@@ -1,0 +1,488 @@
+"""Loading blocks: the direct read path and the verification of every block read.
+
+A load reads each block's file (header, payload, and a probe past its end) into the caller's
+tensors: host memory with one ``preadv`` a block, CUDA memory through the transport (pinned
+staging, or kvikio). Every loaded block's header is checked (format, block hash, model
+fingerprint, dtype, shape, file size) and, with ``verify="full"``, its payload checksum;
+``verify="sampled"`` checksums a deterministic one-in-:data:`SAMPLE_EVERY` sample (chosen by
+hash). Bytes that land where the host never reads them are checked there, by their payload
+sums (block format version 2), with torch ops. A block that fails is a miss and so is every
+block after it: a load returns the length of the verified prefix, and the failed block's
+slice of ``out`` is zeroed. A corrupt block is reported to the daemon (``corrupt``); a block
+written for another spec is a miss, logged as an error naming the difference. A load's access
+record (with the lookup's held back before it) is one control call whatever the number of
+blocks. :meth:`Loading.load_async` loads layer by layer (:class:`LoadHandle`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import blockfile, control, devsum
+from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
+from .channel import ControlChannel
+from .layouts import Layouts, stream_done
+
+log = logging.getLogger(__name__)
+
+#: verify="sampled" checksums the blocks whose hash's last byte is a multiple of this.
+SAMPLE_EVERY = 8
+#: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
+#: below that, a thread hand-off costs more than the read it would take over.
+THREAD_BYTES = 1 << 20
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What reading one block gave."""
+
+    read: int = 0  # bytes read from its file
+    ok: bool = False
+    error: Exception | None = None  # why it is not loaded, where that is more than "absent"
+    # The payload sums its header records, to be checked where the bytes landed (a device
+    # the host never reads) once the load's reads are done; ok stays False until then.
+    sums: tuple[int, int, int] | None = None
+
+
+@dataclass
+class _Opened:
+    """A block file opened, and its header checked, for a layer-wise load."""
+
+    file: OpenBlock | None
+    header: blockfile.BlockHeader | None
+    outcome: _Outcome
+
+
+class _Prefix:
+    """The first failed block of a load, shared by its reader threads."""
+
+    def __init__(self, n: int) -> None:
+        self.end = n
+        self._lock = threading.Lock()
+
+    def fail(self, i: int) -> None:
+        with self._lock:
+            self.end = min(self.end, i)
+
+    def beyond(self, i: int) -> bool:
+        return i > self.end
+
+
+class LoadHandle:
+    """A load in flight (:meth:`KVCache.load_async`).
+
+    :meth:`wait_layer` returns once layer ``l`` of every block has landed, with the number of
+    leading blocks that have it: their headers were verified (right block, right model), but
+    their payload checksums are checked only once every layer is in, so a model may compute
+    layer ``l`` early but must take :meth:`wait`'s count as the truth before it uses the
+    result (a block past that count is a miss, and its slice of ``out`` is zeroed).
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self._layer = [threading.Event() for _ in range(num_layers)]
+        self._layer_n = [0] * num_layers
+        self._done = threading.Event()
+        self._n = 0
+        self._error: BaseException | None = None
+
+    def _layer_ready(self, layer: int, n: int) -> None:
+        self._layer_n[layer] = n
+        self._layer[layer].set()
+
+    def _finish(self, n: int, error: BaseException | None = None) -> None:
+        self._n, self._error = n, error
+        for layer, ev in enumerate(self._layer):
+            if not ev.is_set():
+                self._layer_ready(layer, 0)
+        self._done.set()
+
+    def wait_layer(self, layer: int, timeout: float | None = None) -> int:
+        if not self._layer[layer].wait(timeout):
+            raise TimeoutError(f"layer {layer} not loaded after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._layer_n[layer]
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The number of leading blocks loaded and verified."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"load not finished after {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._n
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class Loading(Layouts):
+    """The load path of :class:`~kvfs.client.KVCache` (a base class of it; the attributes
+    below are set by its constructor)."""
+
+    ns_dir: str
+    transport: PosixTransport
+    _full: bool
+    _fingerprint: bytes
+    _shape: tuple[int, ...]
+    _layer_bytes: int
+    _file_bytes: int
+    _header_check: blockfile.HeaderCheck
+    _pad: int
+    _threads: int
+    _tls: threading.local
+    _pool: ThreadPoolExecutor
+    _loads: ThreadPoolExecutor
+    _channel: ControlChannel
+    path: Callable[[bytes], str]
+    _count: Callable[..., None]
+
+    def load(self, hashes: Sequence[bytes], out: torch.Tensor) -> int:
+        """Read blocks into ``out[i]``; returns the number of leading blocks loaded."""
+        blocks = self._blocks(out, len(hashes), "out")
+        stream_done(out)
+        views_of = None
+        if self.transport.reads_to_host(out):
+            base, size = host_view(out), self.spec.block_payload_bytes
+            views_of = lambda i: [base[i * size:(i + 1) * size]]  # noqa: E731
+        return self._load(list(hashes), lambda i: [blocks[i].reshape(-1)], views_of, blocks)
+
+    def load_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
+                   block_ids: Sequence[int]) -> int:
+        """Read block ``hashes[i]`` into page ``block_ids[i]`` of every layer."""
+        pages = self._pages(layers, block_ids, len(hashes))
+        stream_done(layers[0])
+        views_of = None
+        if all(self.transport.reads_to_host(t) for t in layers):
+            bases, size = [host_view(t) for t in layers], self._layer_bytes
+            ids = [int(b) for b in block_ids[:len(hashes)]]
+            views_of = lambda i: [b[ids[i] * size:(ids[i] + 1) * size]  # noqa: E731
+                                  for b in bases]
+        return self._load(list(hashes), pages, views_of)
+
+    def load_parts(self, hashes: Sequence[bytes],
+                   parts: Sequence[Sequence[torch.Tensor]]) -> int:
+        """Read block ``hashes[i]`` into the tensors ``parts[i]``: their bytes, in order, are
+        its payload (each contiguous, any dtype, together ``spec.block_payload_bytes``). For
+        engines whose pages are not one tensor (a K and a V region, one run per layer):
+        the bytes land where the engine keeps them, with no staging copy. Returns the
+        number of leading blocks loaded, like :meth:`load`."""
+        dests = self._parts(parts, len(hashes), "parts")
+        if dests:
+            stream_done(dests[0][0])
+        views_of = None
+        if all(t.device.type == "cpu" for d in dests for t in d):
+            views = [[host_view(t) for t in d] for d in dests]
+            views_of = views.__getitem__
+        return self._load(list(hashes), dests.__getitem__, views_of)
+
+    def load_async(self, hashes: Sequence[bytes], out: torch.Tensor) -> LoadHandle:
+        """Start a layer-wise load into ``out`` and return at once (see :class:`LoadHandle`).
+
+        Reads are issued layer-major (layer 0 of every block first), one per block and layer.
+        """
+        blocks = self._blocks(out, len(hashes), "out")
+        handle = LoadHandle(self.spec.num_layers)
+        ready = None
+        if out.device.type == "cuda":  # what the caller's stream still does with `out`
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(out.device))
+
+        def run() -> None:
+            try:
+                if ready is not None:
+                    ready.synchronize()
+                handle._finish(self._load_layerwise(list(hashes), blocks, handle))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                handle._finish(0, exc)
+
+        self._loads.submit(run)
+        return handle
+
+    def _load(self, hashes: list[bytes], tensors_of: Callable[[int], list[torch.Tensor]],
+              views_of: Callable[[int], list[memoryview]] | None = None,
+              batch: torch.Tensor | None = None) -> int:
+        """Read block i into ``tensors_of(i)`` (host memory: into ``views_of(i)``, byte views
+        of the same memory). The calling thread reads too, beside as many pool threads as
+        the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
+        none reads past a block that failed. Blocks whose bytes landed where the host does
+        not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
+        contiguous layout's blocks, ``[N, ...]`` bytes)."""
+        prefix = _Prefix(len(hashes))
+        outcomes: list[_Outcome | None] = [None] * len(hashes)
+        if views_of is not None:
+            read: Callable[..., _Outcome] = self._read_host
+            dests: Callable[[int], list[Any]] = views_of
+        else:
+            read, dests = self._read_device, tensors_of
+        todo = iter(range(len(hashes)))  # next() on it is atomic: each block is read once
+
+        def work() -> None:
+            scratch = self._scratch()
+            for i in todo:
+                if i <= prefix.end:  # not past a block that failed
+                    outcomes[i] = read(i, hashes[i], dests(i), prefix, scratch)
+
+        helpers = min(self._threads, len(hashes),
+                      len(hashes) * self._file_bytes // THREAD_BYTES) - 1
+        futures = [self._pool.submit(work) for _ in range(max(0, helpers))]
+        try:
+            work()
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+        self._verify_on_device(outcomes, tensors_of, batch)
+        return self._finish_load(hashes, outcomes, tensors_of)
+
+    def _verify_on_device(self, outcomes: Sequence[_Outcome | None],
+                          tensors_of: Callable[[int], list[torch.Tensor]],
+                          batch: torch.Tensor | None) -> None:
+        """Check the payload sums of the blocks read so far that await them (a version 2
+        block read where the host never sees its bytes), with torch ops on their device:
+        one batch for the contiguous layout, one block at a time for pages. Blocks past the
+        first failure stay unverified: they are past the prefix, never returned."""
+        pending = []
+        for i, o in enumerate(outcomes):
+            if o is None or (not o.ok and o.sums is None):
+                break
+            if o.sums is not None:
+                pending.append(i)
+        if not pending:
+            return
+        if batch is not None:
+            batch = batch.reshape(batch.shape[0], -1)
+            rows = batch[:pending[-1] + 1] if pending[-1] + 1 == len(pending) else \
+                batch[torch.tensor(pending, device=batch.device)]
+            got = dict(zip(pending, devsum.as_tuples(devsum.block_sums(rows)), strict=True))
+        else:
+            got = {i: devsum.payload_sums(tensors_of(i)) for i in pending}
+        for i in pending:
+            o = outcomes[i]
+            assert o is not None and o.sums is not None
+            if got[i] == o.sums:
+                o.ok = True
+            else:
+                o.error = blockfile.BlockFormatError(
+                    "checksum", f"payload sums {got[i]}, header says {o.sums}")
+            o.sums = None
+
+    def _scratch(self) -> tuple[bytearray, memoryview, memoryview]:
+        """This thread's header buffer (and a view of it) and its probe: the padding after
+        the payload and one byte more, which only an overlong file fills."""
+        s = getattr(self._tls, "scratch", None)
+        if s is None:
+            header = bytearray(blockfile.HEADER_SIZE)
+            s = self._tls.scratch = (header, memoryview(header),
+                                     memoryview(bytearray(self._pad + 1)))
+        return s
+
+    def _read_host(self, i: int, h: bytes, views: list[memoryview], prefix: _Prefix,
+                   scratch: tuple[bytearray, memoryview, memoryview]) -> _Outcome:
+        """Header, payload and probe in one `preadv` (hashed piecewise if large), straight
+        into ``views``; then verify. No `fstat`: the bytes read give the file's size."""
+        header, hview, probe = scratch
+        try:
+            total, csum = read_file(self.path(h), hview, views, probe,
+                                    self._full or h[-1] % SAMPLE_EVERY == 0)
+        except FileNotFoundError:
+            prefix.fail(i)
+            return _Outcome()
+        except OSError as exc:
+            prefix.fail(i)
+            return _Outcome(error=exc)
+        out = _Outcome(read=min(total, self._file_bytes))  # padding and probe not counted
+        if total == self._header_check.file_size:  # the common case, checked inline
+            want = self._header_check.payload_checksum(header, h)
+            if want is not None and (csum is None or csum == want):
+                out.ok = True
+                return out
+        try:
+            self._verify_read(h, header, total, csum)  # raises, saying why
+            out.ok = True
+        except blockfile.BlockFormatError as exc:
+            prefix.fail(i)
+            out.error = exc
+        return out
+
+    def _read_device(self, i: int, h: bytes, dests: list[torch.Tensor], prefix: _Prefix,
+                     scratch: tuple[bytearray, memoryview, memoryview]) -> _Outcome:
+        """The same for CUDA destinations, through the transport (staged, or kvikio)."""
+        header = scratch[0]
+        out = _Outcome()
+        checksummed = self._checksummed(h)
+        # Bytes that land where the host never sees them (kvikio into GPU memory) are
+        # checked there, by their payload sums, once the load's reads are done.
+        on_device = checksummed and self.transport.device_verifies(dests[0])
+        try:
+            f = self.transport.open(self.path(h))
+            try:
+                n, csum = self.transport.read(f, 0, dests, header,
+                                              want_checksum=checksummed and not on_device)
+                size = self.transport.size(f) if n >= self._file_bytes else n
+                out.read = n
+                self._verify_read(h, header, size, csum)  # all but the payload if on_device
+                if on_device:
+                    out.sums = blockfile.HeaderCheck.sums(header)
+                    if out.sums is not None:
+                        return out
+                    # Version 1 (no sums): the host checks it, from a copy of its bytes.
+                    self._verify_read(h, header, size, self.transport.checksum(dests))
+            finally:
+                self.transport.close(f)
+            out.ok = True
+        except FileNotFoundError:
+            prefix.fail(i)
+        except (OSError, blockfile.BlockFormatError) as exc:
+            prefix.fail(i)
+            out.error = exc
+        return out
+
+    def _verify_read(self, h: bytes, header: bytearray, total: int, csum: int | None) -> None:
+        """Raise unless a read that gave ``header``, ``total`` bytes in all (the file's size,
+        or one more if it is longer) and payload checksum ``csum`` (None: not checked) is
+        block ``h`` of this spec, whole and sound."""
+        if total < blockfile.HEADER_SIZE:
+            raise blockfile.BlockFormatError(
+                "short", f"{total} bytes, header needs {blockfile.HEADER_SIZE}")
+        want = self._header_check.payload_checksum(header, h)
+        if want is None:  # not exactly the expected header: the full check says why
+            want = self._verify_header(h, header).checksum
+        size = self._header_check.file_size
+        if total != size:
+            raise blockfile.BlockFormatError(
+                "short" if total < size else "length",
+                f"file is {total if total < size else f'more than {size}'} bytes, "
+                f"expected {size}")
+        if csum is not None and csum != want:
+            raise blockfile.BlockFormatError(
+                "checksum", f"payload checksum {csum:#018x}, header says {want:#018x}")
+
+    def _checksummed(self, h: bytes) -> bool:
+        return self._full or h[-1] % SAMPLE_EVERY == 0
+
+    def _verify_header(self, h: bytes, header: bytearray) -> blockfile.BlockHeader:
+        hdr = blockfile.decode_header(header)
+        self._check_spec(h, hdr)
+        return hdr
+
+    def _check_spec(self, h: bytes, hdr: blockfile.BlockHeader) -> None:
+        """Raise :class:`~kvfs.blockfile.BlockMismatchError` unless ``hdr`` is block ``h``
+        of this spec (a block written for another model or layout is a miss, not corrupt)."""
+        blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint,
+                        dtype=self.spec.kv_dtype, shape=self._shape)
+
+    def _open_verified(self, i: int, h: bytes, prefix: _Prefix) -> _Opened:
+        """Open block i and check its header: the first step of a layer-wise load."""
+        out = _Outcome()
+        try:
+            f = self.transport.open(self.path(h))
+        except OSError as exc:
+            prefix.fail(i)
+            out.error = None if isinstance(exc, FileNotFoundError) else exc
+            return _Opened(None, None, out)
+        try:
+            header = bytearray(blockfile.HEADER_SIZE)
+            out.read = preadv_all(f.fd, [memoryview(header)], 0)
+            hdr = blockfile.check_head(header, self.transport.size(f))
+            self._check_spec(h, hdr)
+        except (OSError, blockfile.BlockFormatError) as exc:
+            self.transport.close(f)
+            prefix.fail(i)
+            out.error = exc
+            return _Opened(None, None, out)
+        return _Opened(f, hdr, out)
+
+    def _load_layerwise(self, hashes: list[bytes], blocks: torch.Tensor,
+                        handle: LoadHandle) -> int:
+        prefix = _Prefix(len(hashes))
+        opened = [f.result() for f in [self._pool.submit(self._open_verified, i, h, prefix)
+                                       for i, h in enumerate(hashes)]]
+        outcomes = [o.outcome for o in opened]
+        n = next((i for i, o in enumerate(opened) if o.file is None), len(opened))
+        try:
+            lb = self._layer_bytes
+            reads = [[self._pool.submit(self.transport.read, opened[i].file,
+                                        blockfile.HEADER_SIZE + layer * lb, [blocks[i, layer]])
+                      for i in range(n)] for layer in range(self.spec.num_layers)]
+            for layer, futures in enumerate(reads):
+                for i, fut in enumerate(futures):
+                    try:
+                        got, _ = fut.result()
+                        outcomes[i].read += got
+                        if got < lb:
+                            raise blockfile.BlockFormatError("short", f"layer {layer} is short")
+                    except (OSError, blockfile.BlockFormatError) as exc:
+                        if outcomes[i].error is None:
+                            outcomes[i].error = exc
+                        n = min(n, i)
+                handle._layer_ready(layer, n)
+            checked = [i for i in range(n) if self._checksummed(hashes[i])]
+            # Version 2 blocks in memory the host does not read: their sums, on the device.
+            on_device = self.transport.device_verifies(blocks)
+            device = [i for i in checked if on_device and _has_sums(opened[i])]
+            checks = [(i, self._pool.submit(self.transport.checksum, [blocks[i].reshape(-1)]))
+                      for i in checked if not (device and i in device)]
+            got: dict[int, Any] = {i: fut.result() for i, fut in checks}
+            if device:
+                rows = blocks.reshape(blocks.shape[0], -1)[torch.tensor(device,
+                                                                        device=blocks.device)]
+                got.update(zip(device, devsum.as_tuples(devsum.block_sums(rows)), strict=True))
+            for i in range(n):
+                hdr = opened[i].header
+                assert hdr is not None
+                want: Any = hdr.sums if i in device else hdr.checksum
+                if i in got and got[i] != want:
+                    what = (f"payload sums {got[i]}, header says {want}" if i in device else
+                            f"payload checksum {got[i]:#018x}, header says {want:#018x}")
+                    outcomes[i].error = blockfile.BlockFormatError("checksum", what)
+                    break
+                outcomes[i].ok = True
+        finally:
+            for o in opened:
+                if o.file is not None:
+                    self.transport.close(o.file)
+        return self._finish_load(hashes, outcomes, lambda i: [blocks[i].reshape(-1)])
+
+    def _finish_load(self, hashes: list[bytes], outcomes: Sequence[_Outcome | None],
+                     dests_of: Callable[[int], list[torch.Tensor]]) -> int:
+        """Zero what failed, report corrupt blocks, account: one control call (two with a
+        corrupt block) whatever the number of blocks."""
+        n = next((i for i, o in enumerate(outcomes) if o is None or not o.ok), len(outcomes))
+        corrupt, mismatched = [], 0
+        for i, o in enumerate(outcomes):
+            if o is None or o.ok or o.error is None:
+                continue  # loaded, or absent (bytes past the prefix are valid or unread)
+            for d in dests_of(i) if o.read else ():
+                d.zero_()
+                stream_done(d)
+            if isinstance(o.error, blockfile.BlockMismatchError):
+                mismatched += 1
+                log.error("block %s in %s was written for another model or layout (%s): "
+                          "treated as a miss", hashes[i].hex(), self.ns_dir, o.error)
+            elif isinstance(o.error, blockfile.BlockFormatError):
+                corrupt.append(hashes[i])
+                log.warning("block %s in %s is corrupt (%s): treated as a miss, reported",
+                            hashes[i].hex(), self.ns_dir, o.error)
+            elif o.error is not None:
+                log.warning("block %s in %s could not be read: %s", hashes[i].hex(),
+                            self.ns_dir, o.error)
+        m = control.MAX_HASHES
+        for k in range(0, len(corrupt), m):
+            self._channel.report(control.CORRUPT, control.pack_hashes(corrupt[k:k + m]))
+        read = sum(o.read for o in outcomes if o is not None)
+        self._channel.access(hashes[:n], lookups=0, read_bytes=read,
+                             needed_bytes=n * self._file_bytes)
+        self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
+                    corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)
+        return n
+
+
+def _has_sums(o: _Opened) -> bool:
+    return o.header is not None and o.header.sums is not None

@@ -1,0 +1,228 @@
+"""Saving blocks: each written under a temporary name and renamed into place, then published.
+
+A block file is written with one ``pwritev`` (header, payload, padding) from host memory: a
+CUDA block is copied there first, and its checksum is computed there; where the bytes come
+from a device, its payload sums are computed on the device too (block format version 2, so
+that loads verify it there). Blocks already present are skipped (a name is its content). The
+daemon hears of what a save wrote in one ``publish`` control call per
+:data:`kvfs.control.MAX_HASHES` blocks, and may refuse them (:class:`CacheFull`).
+:meth:`Saving.save_async` queues saves for a writer thread, bounded, dropping when full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .. import blockfile, control, devsum
+from ..hashing import ROOT_PARENT
+from ..layout import TEMP_PREFIX
+from ..transport import PosixTransport, checksum, host_view, pwritev_all
+from .channel import ControlChannel
+from .layouts import Layouts, stream_done
+
+log = logging.getLogger(__name__)
+
+_TEMP = os.fsdecode(TEMP_PREFIX)
+_ZEROS = memoryview(bytes(blockfile.ALIGN))
+
+
+class CacheFull(OSError):
+    """The daemon refused blocks: the hot tier (or the tenant's quota) is full."""
+
+
+class Saving(Layouts):
+    """The save path of :class:`~kvfs.client.KVCache` (a base class of it; the attributes
+    below are set by its constructor)."""
+
+    ns_dir: str
+    direct: bool
+    fsync: bool
+    transport: PosixTransport
+    _fingerprint: bytes
+    _shape: tuple[int, ...]
+    _pool: ThreadPoolExecutor
+    _channel: ControlChannel
+    _saves: queue.Queue[tuple[Any, ...] | None]
+    _save_slots: threading.BoundedSemaphore
+    _writer: threading.Thread | None
+    _lock: threading.Lock
+    _closed: bool
+    path: Callable[[bytes], str]
+    _count: Callable[..., None]
+
+    def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
+             parent: bytes | None = None) -> int:
+        """Store blocks ``kv[i]`` as ``hashes[i]``; returns how many were new.
+
+        ``parent`` is the hash before ``hashes[0]`` (a chain continued from elsewhere).
+        Raises :class:`CacheFull` if the daemon refuses blocks for want of space.
+        """
+        blocks = self._blocks(kv, len(hashes), "kv")
+        stream_done(kv)
+        sums = None
+        if hashes and self._wants_sums(kv):  # one batch for all blocks, where they are
+            sums = devsum.as_tuples(devsum.block_sums(blocks[:len(hashes)].reshape(
+                len(hashes), -1)))
+        return self._save(list(hashes), lambda i: [blocks[i].reshape(-1)], parent, sums)
+
+    def save_paged(self, hashes: Sequence[bytes], layers: Sequence[torch.Tensor],
+                   block_ids: Sequence[int], *, parent: bytes | None = None) -> int:
+        """Store page ``block_ids[i]`` of every layer as block ``hashes[i]``."""
+        pages = self._pages(layers, block_ids, len(hashes))
+        stream_done(layers[0])
+        return self._save(list(hashes), pages, parent)
+
+    def _wants_sums(self, t: torch.Tensor) -> bool:
+        """Whether blocks saved from ``t`` get payload sums (version 2): where they are on a
+        device, which computes them cheaply and whose loads verify them there."""
+        return t.device.type != "cpu" or self.transport.device_verifies(t)
+
+    def _save(self, hashes: list[bytes], parts_of: Callable[[int], list[torch.Tensor]],
+              parent: bytes | None, sums: list[tuple[int, int, int]] | None = None) -> int:
+        parents = [ROOT_PARENT if parent is None else bytes(parent), *hashes[:-1]]
+        todo = [i for i, h in enumerate(hashes) if not os.path.exists(self.path(h))]
+        futures = [(i, self._pool.submit(self._write_block, hashes[i], parents[i], parts_of(i),
+                                         sums[i] if sums is not None else None))
+                   for i in todo]
+        written: list[bytes] = []
+        errors: list[BaseException] = []
+        size = 0
+        for i, fut in futures:
+            try:
+                size += fut.result()
+                written.append(hashes[i])
+            except Exception as exc:  # noqa: BLE001 - publish what was written, then raise
+                errors.append(exc)
+        self._count(saved_blocks=len(written), present_blocks=len(hashes) - len(todo),
+                    written_bytes=size)
+        if self.direct:
+            m = control.MAX_HASHES
+            for k in range(0, len(written), m):
+                batch = written[k:k + m]
+                try:
+                    self._channel.command(control.PUBLISH, control.pack_hashes(batch))
+                except OSError as exc:
+                    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                        raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
+                                        "(the refused files were removed)", self.ns_dir) from None
+                    raise
+        if errors:
+            raise errors[0]
+        return len(written)
+
+    def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor],
+                     sums: tuple[int, int, int] | None = None) -> int:
+        """Write one block file under a temporary name and rename it into place: version 2
+        (with the payload sums, given or computed here) where the parts are on a device."""
+        if sums is None and self._wants_sums(parts[0]):
+            sums = devsum.payload_sums(parts)
+        host = [p if p.device.type == "cpu" else p.to("cpu") for p in parts]
+        views = [host_view(p) for p in host]
+        plen = sum(v.nbytes for v in views)
+        s = self.spec
+        head = blockfile.encode_header(blockfile.BlockHeader(
+            block_hash=h, parent_hash=parent, fingerprint=self._fingerprint,
+            token_count=s.block_size, dtype=s.kv_dtype, shape=self._shape,
+            payload_len=plen, checksum=checksum(views), sums=sums))
+        pad = _ZEROS[:blockfile.padded_size(plen) - plen]
+        final = self.path(h)
+        fan = os.path.dirname(final)
+        os.makedirs(fan, exist_ok=True)
+        tmp = os.path.join(fan, f"{_TEMP}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                pwritev_all(fd, [memoryview(head), *views, pad], 0)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return len(head) + plen + len(pad)
+
+    def save_async(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
+                   parent: bytes | None = None) -> bool:
+        """Queue a save and return at once; False if the queue was full and it was dropped.
+
+        A CUDA ``kv`` is copied to pinned host memory here (asynchronously, on the current
+        stream); a CPU ``kv`` is written from where it is and must not change until
+        :meth:`flush`.
+        """
+        self._blocks(kv, len(hashes), "kv")
+        if self._closed:
+            raise RuntimeError("KVCache is closed")
+        if not self._save_slots.acquire(blocking=False):
+            self._count(dropped_saves=1)
+            log.debug("save queue full: dropped a save of %d blocks", len(hashes))
+            return False
+        event = sums = None
+        if kv.device.type == "cuda":
+            # The payload sums are computed on the device, queued with the copy on the
+            # caller's stream; the writer waits for both.
+            n = len(hashes)
+            sums = torch.empty((n, 3), dtype=torch.int64, pin_memory=True)
+            if n:
+                blocks = kv.view(torch.uint8).reshape(kv.shape[0], -1)[:n]
+                sums.copy_(devsum.block_sums(blocks), non_blocking=True)
+            host = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            host.copy_(kv, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            kv = host
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, daemon=True,
+                                                name="kvfs-save")
+                self._writer.start()
+        self._saves.put((list(hashes), kv, parent, event, sums))
+        return True
+
+    def _write_queued(self) -> None:
+        while (item := self._saves.get()) is not None:
+            hashes, kv, parent, event, sums = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                if sums is None:
+                    self.save(hashes, kv, parent=parent)
+                else:  # copied from a device, with the sums computed there
+                    blocks = self._blocks(kv, len(hashes), "kv")
+                    self._save(list(hashes), lambda i, b=blocks: [b[i].reshape(-1)], parent,
+                               devsum.as_tuples(sums))
+            except Exception as exc:  # noqa: BLE001 - a lost save is a later miss, never fatal
+                self._count(failed_saves=1)
+                log.warning("queued save of %d blocks failed: %s", len(hashes), exc)
+            finally:
+                self._save_slots.release()
+                self._saves.task_done()
+        self._saves.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued save is written and published, and every access record
+        (a held-back one included) is sent."""
+        self._saves.join()
+        self._channel.access(())
+        self._channel.drain()
+
+    def save_parts(self, hashes: Sequence[bytes], parts: Sequence[Sequence[torch.Tensor]], *,
+                   parent: bytes | None = None) -> int:
+        """Store block ``hashes[i]`` from the tensors ``parts[i]`` (see :meth:`load_parts`);
+        returns how many were new, like :meth:`save`."""
+        srcs = self._parts(parts, len(hashes), "parts")
+        if srcs:
+            stream_done(srcs[0][0])
+        return self._save(list(hashes), srcs.__getitem__, parent)
