@@ -2,8 +2,9 @@
 
 Handlers are thin: check arguments, update the index (on the event-loop thread), do blocking
 backing-store I/O through `Tree.io` (worker threads), map failures to errno. No exception
-escapes a handler (pyfuse3 would end the session for every client): `handler`, the one wrapper
-every handler has, turns anything but a `FUSEError(errno)` into one (EIO, logged).
+escapes a handler (pyfuse3 would end the session for every client): `kvfs.handlers.handler`,
+the one wrapper every handler has, turns anything but a `FUSEError(errno)` into one (EIO,
+logged), and counts the requests (stats.json `requests`).
 The rest lives in kvfs.tree (shared state), kvfs.openfiles, kvfs.residency, kvfs.adoption,
 kvfs.reclaim, kvfs.promotion, kvfs.xattrs, kvfs.commands, kvfs.stats_json, kvfs.virtual.
 Only the mount entry point (`kvfs.mount`) imports this module.
@@ -17,8 +18,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 import pyfuse3
 import trio
@@ -28,7 +28,8 @@ from . import __version__, hashing, stats_json, virtual
 from .adoption import Adoption
 from .audit import Audit
 from .commands import Commands
-from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node, NoSuchNode
+from .handlers import handler
+from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, read_disk
 from .promotion import Promotion
 from .reclaim import Reclaim
@@ -42,30 +43,6 @@ from .xattrs import Xattrs
 __all__ = ["MountInfo", "Operations"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
-
-
-def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
-    """Map every failure of a handler to a FUSEError; never let one escape."""
-
-    @functools.wraps(fn)
-    async def wrapper(*args: Any, **kwargs: Any) -> T:
-        try:
-            return await fn(*args, **kwargs)
-        except FUSEError:
-            raise
-        except NoSuchNode:
-            raise FUSEError(errno.ENOENT) from None
-        except OSError as exc:
-            if exc.errno is None:
-                log.exception("%s failed", fn.__name__)
-                raise FUSEError(errno.EIO) from None
-            raise FUSEError(exc.errno) from None
-        except Exception:
-            log.exception("unexpected error in %s", fn.__name__)
-            raise FUSEError(errno.EIO) from None
-
-    return wrapper
 
 
 class Operations(pyfuse3.Operations):
@@ -83,12 +60,16 @@ class Operations(pyfuse3.Operations):
         io_threads: int = DEFAULTS["io_threads"],
         tiering: Tiering | None = None,
         audit: Audit | None = None,
+        writeback_cache: bool = DEFAULTS["writeback_cache"],
+        keep_cache: bool = DEFAULTS["keep_cache"],
     ) -> None:
         super().__init__()
+        self.enable_writeback_cache = writeback_cache  # read by pyfuse3 when it mounts
         # The shared state and the modules that work on it (see each module for who changes
         # what: all on the event loop, between awaits, no locks).
         self.tree = tree = Tree(index, store, info, owner_uid=owner_uid,
-                                io_threads=io_threads, tiering=tiering, audit=audit)
+                                io_threads=io_threads, tiering=tiering, audit=audit,
+                                writeback_cache=writeback_cache, keep_cache=keep_cache)
         self.residency = tree.residency
         self.files = OpenFiles(index, tree.residency, tree.open_files)
         self.adoption = Adoption(tree)
@@ -349,8 +330,8 @@ class Operations(pyfuse3.Operations):
         self.residency.add_file(node)  # no block yet
         fh = self.files.register(node, fd, writable, ctx, created=True)
         self.tree.ref(node.inode)
-        fi = pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=False)
-        return fi, self.tree.attrs(node)
+        direct, _ = self.tree.file_cache(node, flags, writable, busy=True)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False), self.tree.attrs(node)
 
     @handler
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
@@ -399,8 +380,9 @@ class Operations(pyfuse3.Operations):
         self.residency.record_use(node, now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self.tree.key(node)].mount_hits += 1
-        busy = writable or self.open_files[inode].writers > 0
-        return pyfuse3.FileInfo(fh=fh, direct_io=bool(flags & os.O_DIRECT), keep_cache=not busy)
+        direct, keep = self.tree.file_cache(node, flags, writable,
+                                            busy=writable or self.open_files[inode].writers > 0)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -429,8 +411,12 @@ class Operations(pyfuse3.Operations):
         of = self.open_files[h.inode]
         growth = off + len(buf) - of.size
         if growth > 0:
-            await self.reclaim.make_room(self.index.get(h.inode), growth, off + len(buf),
-                                         exclude=h.inode)
+            try:
+                await self.reclaim.make_room(self.index.get(h.inode), growth, off + len(buf),
+                                             exclude=h.inode)
+            except FUSEError:
+                self.tree.refused_writeback(h.inode)  # with the write-back cache on
+                raise
             # Account before the await, so that concurrent writes see each other's growth.
             self.stats.account(h.key, 0, growth)
             of.size += growth
@@ -473,7 +459,10 @@ class Operations(pyfuse3.Operations):
                 self.tree.audit_op(h.uid, h.pid, node, "write" if h.writable else "read",
                                    nbytes=h.nwritten if h.writable else h.nread)
         try:
-            await self.tree.io(os.close, h.fd)
+            if h.inode in self.tree.orphans:  # the last close of an unlinked file frees blocks
+                await self.tree.io(os.close, h.fd)
+            else:  # neither reads nor waits for the disk: no round trip through a thread
+                os.close(h.fd)
         finally:
             of, changed = self.files.closed(h)
         if h.writable and of.writers == 0 and changed:

@@ -60,6 +60,8 @@ class MountOptions:
     tier_cooldown: float = DEFAULTS["tier_cooldown"]
     metrics: str | None = DEFAULTS["metrics"]
     audit: str | None = DEFAULTS["audit"]
+    writeback_cache: bool = DEFAULTS["writeback_cache"]
+    keep_cache: bool = DEFAULTS["keep_cache"]
     read_ahead_kb: int = 4096  # the mount's read-ahead window (not a setting)
 
 
@@ -201,7 +203,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     tiering = make_tiering(opts)
     audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
-                     tiering=tiering, audit=audit)
+                     tiering=tiering, audit=audit, writeback_cache=opts.writeback_cache,
+                     keep_cache=opts.keep_cache)
     ops.load_limits()
     metrics = None
     if opts.metrics:

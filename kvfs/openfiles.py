@@ -146,15 +146,20 @@ class OpenFiles:
     def flushed(self, h: Handle) -> None:
         """close(2) returned to a writer: what it wrote is complete as far as it knows, so a
         daemon that dies before the (asynchronous) release must not remove it, unless another
-        descriptor has changed it too. A later change marks it again."""
-        self.persist(h.inode)
+        descriptor has changed it too. A later change marks it again. The size and times
+        (`persist`) and the end of writing are one index update."""
         of = self.files.get(h.inode)
+        fields: dict[str, Any] = {}
+        if of is not None and of.dirty and of.changed:
+            fields.update(size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
         if of is not None and h.written:
             h.written = False
             of.pending -= 1
             if of.written and not of.pending and not of.unowned:
                 of.written = False
-                self.index.update(h.inode, writing=0)
+                fields["writing"] = 0
+        if fields:
+            self.index.update(h.inode, **fields)
 
     def closed(self, h: Handle) -> tuple[OpenFile, bool]:
         """A handle's descriptor is closed: returns its file's state and whether the file
@@ -170,8 +175,10 @@ class OpenFiles:
         if h.writable:
             of.writers -= 1
             if of.writers == 0:
-                if changed:
-                    self.persist(h.inode)
+                if changed and of.dirty:  # persist and the end of writing: one update
+                    self.index.update(h.inode, size=of.size, mtime_ns=of.mtime_ns,
+                                      ctime_ns=of.mtime_ns, writing=0)
+                elif changed:
                     self.index.update(h.inode, writing=0)
                 of.dirty = of.written = of.changed = of.unowned = False
                 of.pending = 0

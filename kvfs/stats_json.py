@@ -1,6 +1,7 @@
 """What `.kvfs/stats.json` shows (and the metrics endpoint serves): the daemon's identity, its
-usage, the counters of kvfs.stats per tenant and model, the policies' size, the tiers, and the
-progress of indexing an adopted tree; and which tenants' counters a caller may see.
+usage, the counters of kvfs.stats per tenant and model, the policies' size, the tiers, the FUSE
+requests served by kind, and the progress of indexing an adopted tree; and which tenants'
+counters a caller may see.
 
 Read-only: it reads the shared state (kvfs.tree) on the event loop and changes nothing.
 """
@@ -14,6 +15,7 @@ from typing import Any
 
 from . import __version__
 from .adoption import Adoption
+from .handlers import REQUESTS
 from .tree import Tree
 
 
@@ -39,6 +41,7 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
                    "entries": tree.residency.entries()},
         "tenants": stats.render(names, tenants),
         "tiers": _tiers(tree),
+        "requests": dict(REQUESTS),  # FUSE requests served, by kind (kvfs.handlers)
         # A tree adopted at its first mount until every directory is indexed: usage and
         # eviction see only what is indexed so far.
         "indexing": {"directories_left": len(adoption.unlisted),

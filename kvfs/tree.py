@@ -22,6 +22,8 @@ awaits are atomic for the other tasks: no lock guards any of it. Who changes wha
 - `_dir_paths`: filled by `dir_path`, emptied by a rename of a directory (`forget_dir_paths`).
 - `serving`, `nursery`: set once by `Operations.run_background` (the daemon's nursery, in
   which handlers start work they do not wait for).
+- `writeback_cache`, `keep_cache`: the mount's kernel-cache options (kvfs.settings), set once
+  by `Operations` before the mount; read by `file_cache` and `refused_writeback`.
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ class Tree:
 
     def __init__(self, index: Index, store: BackingStore, info: MountInfo, *,
                  owner_uid: int = 0, io_threads: int = DEFAULTS["io_threads"],
-                 tiering: Tiering | None = None, audit: Audit | None = None) -> None:
+                 tiering: Tiering | None = None, audit: Audit | None = None,
+                 writeback_cache: bool = DEFAULTS["writeback_cache"],
+                 keep_cache: bool = DEFAULTS["keep_cache"]) -> None:
         self.index = index
+        self.writeback_cache = writeback_cache
+        self.keep_cache = keep_cache
         self.store = store
         self.info = info
         self.owner_uid = owner_uid
@@ -269,6 +275,31 @@ class Tree:
         the connection is up there is nothing to tell, and the call would fail)."""
         if self.serving:
             pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
+
+    def file_cache(self, node: Node, flags: int, writable: bool, *, busy: bool
+                   ) -> tuple[bool, bool]:
+        """An open's (direct_io, keep_cache). A writer in a tenant with a quota writes
+        through, bypassing the write-back cache: the kernel reports a refused write-back as
+        EIO at close, and EDQUOT must reach the writer. Readers keep the page cache of a file
+        nobody writes (`busy`: someone does), unless the mount says otherwise."""
+        limits = self.residency.limits.get(node.tenant)
+        exact = (self.writeback_cache and writable and limits is not None
+                 and limits.quota is not None)
+        return bool(flags & os.O_DIRECT) or exact, self.keep_cache and not busy
+
+    def refused_writeback(self, inode: int) -> None:
+        """A write refused (no room) with the write-back cache on: the writer hears it at
+        close (ENOSPC) or fsync. The kernel trusts its own size of a file it caches: dropping
+        the name makes it forget the inode (size and pages) at the last close, so that the
+        next open sees what was kept, never bytes that were not."""
+        node = self.index.find(inode)
+        if not (self.writeback_cache and self.serving and node is not None):
+            return
+        pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
+        if self.nursery is not None:  # and its pages, once this reply is sent
+            self.nursery.start_soon(functools.partial(
+                trio.to_thread.run_sync, pyfuse3.invalidate_inode, inode, False,
+                abandon_on_cancel=True))
 
     # -- tenants and namespaces -----------------------------------------------------------
 

@@ -54,6 +54,25 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
     return restore.main(args)
 
 
+def cmd_bench_door(args: argparse.Namespace) -> int:
+    from ..bench import door  # noqa: PLC0415
+    from ..bench.harness import fuse_available  # noqa: PLC0415
+
+    try:
+        door.parse_variants(args.variant)
+    except ValueError as exc:
+        raise CliError(str(exc), EXIT_USAGE) from None
+    patterns = [p for p in args.patterns.split(",") if p]
+    bad = [p for p in patterns if p not in door.PATTERNS]
+    if bad or not patterns or args.repeats < 1 or args.scale <= 0:
+        raise CliError(f"bad --patterns/--repeats/--scale ({', '.join(bad)}); patterns: "
+                       f"{', '.join(door.PATTERNS)}", EXIT_USAGE)
+    why = fuse_available()
+    if why and why.startswith(("no /dev/fuse", "fusermount3")):
+        raise CliError(f"kvfs bench door mounts kvfs: {why}", EXIT_USAGE)
+    return door.run(args)
+
+
 def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     from ..bench import hitrate  # noqa: PLC0415
 
@@ -282,6 +301,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     backends_args(bk)
     add_output_args(bk)
     bk.set_defaults(func=cmd_bench_backends)
+
+    bdoor = bsub.add_parser("door", help="the mount door: engines' file patterns, mount "
+                            "against a plain directory")
+    from ..bench.door import add_arguments as door_args  # noqa: PLC0415 - stdlib only
+    door_args(bdoor)
+    bdoor.set_defaults(func=cmd_bench_door)
 
     be = bsub.add_parser("engine", help="time to first token of a real vLLM: the "
                          "KVFSConnector against recompute and vLLM's ExampleConnector")

@@ -1,0 +1,450 @@
+"""`kvfs bench door`: the mount door, what an engine without a kvfs backend pays for pointing
+its file backend at the mount instead of at a plain directory of the same filesystem.
+
+One run mounts kvfs over a fresh directory of the filesystem measured (`--dir`) and makes a
+plain directory beside it. Each file pattern of the engines of docs/engines.md is replayed on
+both sides, the two sides alternating within each repeat so that both see the same load:
+
+- **small**: create-heavy small files: N files of 128 KiB, each created, written, closed;
+- **vllm**: vLLM's fs tier and llm-d: `exists()`, a temporary created with
+  `O_CREAT|O_EXCL|O_WRONLY|O_TRUNC|O_DIRECT`, written, closed, `os.replace`d onto its name;
+  loaded with `O_DIRECT` and `readv` (buffered on a side that refuses O_DIRECT: recorded);
+- **sglang**: SGLang's HiCacheFile: one file per page, `exists()` before each set, a
+  temporary renamed into place; get: `open` + `readinto`;
+- **lmcache**: LMCache's LocalDiskBackend: written in place at the final name, read with
+  `readinto`; **lmcache-direct**: the same with `use_odirect`.
+
+For each: the time of the writes (for small files: per create+write+close), then reads of
+every file just written (warm: the page cache as the writer left it), then reads after the
+caches were dropped (`echo 3 > drop_caches` on both sides alike, after the daemon has handled
+the FORGETs; root only). Ratios are the mount's against the plain directory's: throughput
+ratios for writes and reads, a time ratio for creates. Medians of the repeats.
+
+`--variant NAME=ARGS` repeats the whole run with other `kvfs mount` arguments (an option on
+and off, in one record). The floor under a Python FUSE daemon is measured in the same run:
+the time of a bare FUSE round trip (`fstat` of a file whose attributes the kernel may not
+cache, served by the daemon without any work) against the same `fstat` on the plain side, the
+FUSE requests one create+write+close costs (counted by the daemon), and the daemon's CPU time
+per file.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shlex
+import shutil
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from .common import add_output_args, finish
+from .harness import (
+    Mount,
+    can_drop_caches,
+    conditions,
+    conditions_after,
+    cpu_ticks,
+    drop_caches,
+    median,
+)
+from .records import Kind, figure_table
+
+TENANT = "bench"
+MiB = 1 << 20
+#: Targets of issue "the mount door at kernel speed": (metric, bound, lower-is-better).
+TARGETS = {"creates": ("<= 5x the time", 5.0, True), "write": (">= 0.6x", 0.6, False),
+           "warm": (">= 0.8x", 0.8, False), "cold": (">= 0.8x", 0.8, False)}
+#: pattern -> (file size in bytes, how many files at --scale 1).
+PATTERNS: dict[str, tuple[int, int]] = {
+    "small": (128 << 10, 2000), "vllm": (2 * MiB, 64), "sglang": (2 * MiB, 64),
+    "lmcache": (4 * MiB, 32), "lmcache-direct": (4 * MiB, 32),
+}
+METHOD = __doc__.split("\n\n", 1)[1] if __doc__ else ""
+
+
+def add_arguments(parser: Any) -> None:
+    parser.add_argument("--dir", default=".", help="where the work directory goes; its "
+                        "filesystem is the one measured (default: here)")
+    parser.add_argument("--patterns", default=",".join(PATTERNS),
+                        help=f"comma-separated, of {', '.join(PATTERNS)} (default: all)")
+    parser.add_argument("--files", type=int, default=None,
+                        help="small files to create (default 2000 times --scale)")
+    parser.add_argument("--scale", type=float, default=1.0,
+                        help="multiply every pattern's file count (default 1: 128 MiB for "
+                             "each engine pattern, 2000 small files)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per figure; median (3)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=ARGS",
+                        help="a mount with these extra `kvfs mount` arguments, measured in "
+                             "the same run (repeatable; default: one mount, no extra "
+                             "arguments, named 'default')")
+    parser.add_argument("--round-trips", type=int, default=5000, dest="round_trips",
+                        help="fstat calls timed for the bare FUSE round trip (5000; 0: none)")
+    parser.add_argument("--no-cold", dest="cold", action="store_false",
+                        help="skip cold reads (they need root, to drop the caches)")
+    parser.add_argument("--note", default="", help="a note on the conditions, kept in the "
+                        "record (say so when the machine is loaded by other work)")
+    parser.add_argument("--keep", action="store_true", help="keep the work directory")
+    add_output_args(parser)
+
+
+# -- the mount side ---------------------------------------------------------------------------
+
+
+class Side:
+    """The mount side of a run: a :class:`kvfs.bench.harness.Mount` with one tenant, its
+    daemon's request counters (stats.json `requests`) and CPU time."""
+
+    def __init__(self, base: str, extra: list[str]) -> None:
+        self.mount = Mount.under(base, extra)
+        self.root = ""
+        self.pid = 0
+        self.own: dict[str, int] = {}
+
+    def start(self) -> None:
+        self.mount.start()
+        self.root = str(self.mount.add_tenant(TENANT))
+        self.pid = self.mount.pid()
+        # What reading the counters costs in requests itself (subtracted from every delta).
+        a = self.requests()
+        self.own = {k: v - a.get(k, 0) for k, v in self.requests().items()}
+
+    def requests(self) -> dict[str, int]:
+        """The FUSE requests the daemon has served, by kind ({} from a daemon that does
+        not count them)."""
+        return dict(self.mount.stats().get("requests") or {})
+
+    def cpu_s(self) -> float:
+        return cpu_ticks(self.pid) / os.sysconf("SC_CLK_TCK")
+
+
+# -- the engines' file patterns -----------------------------------------------------------
+
+
+def _aligned(size: int) -> mmap.mmap:
+    """A page-aligned buffer (what O_DIRECT asks for), filled with non-zero bytes."""
+    buf = mmap.mmap(-1, size)
+    buf.write(os.urandom(min(size, MiB)) * max(1, size // MiB))
+    return buf
+
+
+def _direct_ok(directory: str) -> bool:
+    """Whether `directory` takes O_DIRECT (vLLM's probe: a hidden temporary)."""
+    path = os.path.join(directory, f".o_direct_probe_{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(path)
+    return True
+
+
+def _write_all(fd: int, buf: memoryview) -> None:
+    done = 0
+    while done < len(buf):
+        done += os.write(fd, buf[done:])
+
+
+def write_files(pattern: str, directory: str, names: list[str], buf: mmap.mmap,
+                direct: bool) -> None:
+    """Write every file of `names` in `directory` as the pattern's engine does."""
+    view = memoryview(buf)
+    odirect = os.O_DIRECT if direct else 0
+    for name in names:
+        path = os.path.join(directory, name)
+        if pattern == "small":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            _write_all(fd, view)
+            os.close(fd)
+        elif pattern in ("vllm", "sglang"):
+            if os.path.exists(path):
+                continue
+            if pattern == "vllm":
+                tmp = f"{path}_{uuid.uuid4().hex[:8]}.tmp"
+                flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | odirect
+            else:
+                tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
+                flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
+            fd = os.open(tmp, flags, 0o644)
+            _write_all(fd, view)
+            os.close(fd)
+            os.replace(tmp, path)
+        else:  # lmcache: in place at the final name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | odirect, 0o644)
+            _write_all(fd, view)
+            os.close(fd)
+
+
+def read_files(directory: str, names: list[str], buf: mmap.mmap, direct: bool) -> None:
+    """Read every file whole into `buf` (readinto / readv; O_DIRECT when `direct`)."""
+    view = memoryview(buf)
+    size = len(buf)
+    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
+    for name in names:
+        fd = os.open(os.path.join(directory, name), flags)
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                os.close(fd)
+                raise RuntimeError(f"{name}: short file ({got} of {size} bytes)")
+            got += n
+        os.close(fd)
+
+
+def _timed(fn: Callable[[], None]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def run_pattern(pattern: str, sides: dict[str, tuple[str, Side | None]], count: int,
+                repeat: int, cold: bool) -> dict[str, dict[str, Any]]:
+    """One repeat of one pattern on each side: seconds to write, to read warm and cold."""
+    size = PATTERNS[pattern][0]
+    buf = _aligned(size)
+    names = [f"{pattern}-{i:05d}.bin" for i in range(count)]
+    direct = pattern in ("vllm", "lmcache-direct")
+    out: dict[str, dict[str, Any]] = {}
+    for side, (root, mount) in sides.items():
+        d = os.path.join(root, f"{pattern}.{repeat}")
+        os.makedirs(d)
+        use_direct = direct and _direct_ok(d)
+        before = mount.requests() if mount is not None else {}
+        cpu = mount.cpu_s() if mount is not None else 0.0
+        res: dict[str, Any] = {"direct": use_direct}
+        res["write_s"] = _timed(lambda d=d, o=use_direct: write_files(pattern, d, names, buf, o))
+        if mount is not None:
+            res["daemon_cpu_s"] = mount.cpu_s() - cpu
+            after = mount.requests()
+            res["requests"] = {k: v - before.get(k, 0) - mount.own.get(k, 0)
+                               for k, v in after.items()
+                               if v - before.get(k, 0) - mount.own.get(k, 0) > 0}
+        res["warm_s"] = _timed(lambda d=d, o=use_direct: read_files(d, names, buf, o))
+        if cold:
+            drop_caches(3, daemon_pid=mount.pid if mount is not None else None)
+            res["cold_s"] = _timed(lambda d=d, o=use_direct: read_files(d, names, buf, o))
+        out[side] = res
+    for root, _ in sides.values():
+        shutil.rmtree(os.path.join(root, f"{pattern}.{repeat}"))
+    return out
+
+
+def round_trip(mount: Mount, plain: str, n: int) -> dict[str, float]:
+    """Microseconds of one `fstat` through the mount on a file whose attributes the kernel
+    may not cache (the daemon's `.kvfs/version`: a FUSE getattr answered with no work),
+    against `fstat` of a plain file."""
+    out = {}
+    path = os.path.join(plain, "rt")
+    with open(path, "w") as f:
+        f.write("x")
+    for side, p in (("mount", os.path.join(mount.mnt, ".kvfs", "version")), ("plain", path)):
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            for _ in range(min(n, 200)):
+                os.fstat(fd)
+            t = time.perf_counter()
+            for _ in range(n):
+                os.fstat(fd)
+            out[side] = (time.perf_counter() - t) / n * 1e6
+        finally:
+            os.close(fd)
+    os.unlink(path)
+    return out
+
+
+# -- one mount variant ----------------------------------------------------------------------
+
+
+def file_count(pattern: str, args: Any) -> int:
+    """Files of `pattern`: --files for small files when given, else the default, scaled."""
+    if pattern == "small" and args.files:
+        return args.files
+    return max(1, int(PATTERNS[pattern][1] * args.scale))
+
+
+def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: list[str],
+                cold: bool) -> dict[str, Any]:
+    base = os.path.join(work, name)
+    side = Side(base, extra)
+    plain = os.path.join(base, "plain")
+    os.makedirs(plain)
+    side.start()
+    try:
+        sides: dict[str, tuple[str, Side | None]] = {"mount": (side.root, side),
+                                                     "plain": (plain, None)}
+        results: dict[str, list[dict[str, dict[str, Any]]]] = {p: [] for p in patterns}
+        for r in range(args.repeats):
+            for p in patterns:
+                count = file_count(p, args)
+                # Alternate which side goes first, so that neither always meets the other's
+                # writeback.
+                order = dict(reversed(sides.items())) if r % 2 else sides
+                results[p].append(run_pattern(p, order, count, r, cold))
+        rt = round_trip(side.mount, plain, args.round_trips) if args.round_trips else {}
+        broken = side.mount.tracebacks() > 0
+    finally:
+        side.mount.stop(check=False)
+    return {"mount_args": extra, "patterns": summarise(results, args), "round_trip_us": rt,
+            "daemon_tracebacks": broken}
+
+
+def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
+              ) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for p, runs in results.items():
+        size, count = PATTERNS[p][0], 0
+        first = runs[0]["mount"]
+        count = file_count(p, args)
+        mib = size * count / MiB
+        s: dict[str, Any] = {"files": count, "file_kib": size >> 10,
+                             "direct": {k: runs[0][k]["direct"] for k in ("mount", "plain")}}
+        for side in ("mount", "plain"):
+            for what in ("write_s", "warm_s", "cold_s"):
+                xs = [r[side][what] for r in runs if what in r[side]]
+                if xs:
+                    s[f"{side}_{what}"] = round(median(xs) or 0.0, 4)
+        s["mount_daemon_cpu_s"] = round(median(
+            [r["mount"].get("daemon_cpu_s", 0.0) for r in runs]) or 0.0, 3)
+        s["requests_per_file"] = {k: round(v / count, 2)
+                                  for k, v in sorted(first.get("requests", {}).items())}
+        s["mib"] = round(mib, 1)
+        s["creates_ratio"] = round(s["mount_write_s"] / s["plain_write_s"], 3)
+        for what in ("write", "warm", "cold"):
+            if f"mount_{what}_s" in s:
+                s[f"{what}_ratio"] = round(s[f"plain_{what}_s"] / s[f"mount_{what}_s"], 3)
+        out[p] = s
+    return out
+
+
+# -- the record ---------------------------------------------------------------------------
+
+
+def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record's rows: one per figure, the mount against the plain directory."""
+    rows: list[dict[str, Any]] = []
+    for vname, v in variants.items():
+        tag = f"{vname}: " if len(variants) > 1 else ""
+        for p, s in v["patterns"].items():
+            n, mib = s["files"], s["mib"]
+            if p == "small":
+                target, bound, lower = TARGETS["creates"]
+                mount_us, plain_us = (s["mount_write_s"] / n * 1e6, s["plain_write_s"] / n * 1e6)
+                rows.append({"figure": f"{tag}{p}: create+write+close per file", "unit": "us",
+                             "kvfs": round(mount_us, 1), "baseline": round(plain_us, 1),
+                             "baseline_name": "plain dir", "ratio": s["creates_ratio"],
+                             "target": target, "ok": s["creates_ratio"] <= bound})
+            metrics = ("warm", "cold") if p == "small" else ("write", "warm", "cold")
+            for what in metrics:
+                if f"mount_{what}_s" not in s:
+                    continue
+                target, bound, _ = TARGETS[what]
+                ratio = s[f"{what}_ratio"]
+                label = {"write": "write", "warm": "warm read", "cold": "cold read"}[what]
+                rows.append({"figure": f"{tag}{p}: {label}", "unit": "MiB/s",
+                             "kvfs": round(mib / s[f"mount_{what}_s"], 1),
+                             "baseline": round(mib / s[f"plain_{what}_s"], 1),
+                             "baseline_name": "plain dir", "ratio": ratio, "target": target,
+                             "ok": ratio >= bound})
+        rt = v.get("round_trip_us") or {}
+        if rt:
+            rows.append({"figure": f"{tag}bare FUSE round trip (fstat, no attribute cache)",
+                         "unit": "us", "kvfs": round(rt["mount"], 1),
+                         "baseline": round(rt["plain"], 2), "baseline_name": "plain fstat",
+                         "ratio": round(rt["mount"] / rt["plain"], 1)})
+        small = v["patterns"].get("small")
+        if small and small["requests_per_file"]:
+            req = small["requests_per_file"]
+            total = round(sum(req.values()), 2)
+            rows.append({"figure": f"{tag}FUSE requests per create+write+close", "unit": "",
+                         "kvfs": total, "baseline": None,
+                         "note": ", ".join(f"{k} {x:g}" for k, x in req.items())})
+            rows.append({"figure": f"{tag}daemon CPU per create+write+close", "unit": "us",
+                         "kvfs": round(small["mount_daemon_cpu_s"] / small["files"] * 1e6, 1),
+                         "baseline": None})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [f"{'figure':<58} {'kvfs':>10} {'plain':>10} {'ratio':>7}  target"]
+    for r in rows:
+        def cell(x: Any) -> str:
+            return "-" if x is None else f"{x:g}"
+        verdict = "" if r.get("ok") is None else " ok" if r["ok"] else " MISSED"
+        lines.append(f"{r['figure'][:58]:<58} {cell(r.get('kvfs')):>10} "
+                     f"{cell(r.get('baseline')):>10} {cell(r.get('ratio')):>7}  "
+                     f"{r.get('target', '')}{verdict} {r.get('note', '')}")
+    return "\n".join(lines)
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    """Each figure's ratio to the plain directory (log scale), targets marked."""
+    rows = [r for r in record["rows"] if isinstance(r.get("ratio"), int | float)
+            and r.get("target")]
+    fig, ax = plt.subplots(figsize=(9, 0.3 * len(rows) + 1.5))
+    ys = list(range(len(rows)))[::-1]
+    colors = ["tab:green" if r.get("ok") else "tab:red" for r in rows]
+    ax.barh(ys, [r["ratio"] for r in rows], color=colors)
+    ax.set_yticks(ys, [r["figure"] for r in rows], fontsize=7)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for y, r in zip(ys, rows, strict=True):
+        bound = next((b for t, b, _ in TARGETS.values() if t == r["target"]), None)
+        if bound is not None:
+            ax.plot([bound, bound], [y - 0.4, y + 0.4], color="black", linewidth=1.5)
+    ax.set_xlabel("mount / plain directory (creates: time ratio; else throughput ratio); "
+                  "bar: target")
+    c = record.get("conditions") or {}
+    ax.set_title(f"kvfs bench door: the mount against a plain directory "
+                 f"({c.get('cores', '?')} cores, load {(c.get('load_average') or [0])[0]:.1f})",
+                 fontsize=9)
+    return fig
+
+
+def parse_variants(specs: list[str]) -> dict[str, list[str]]:
+    if not specs:
+        return {"default": []}
+    out: dict[str, list[str]] = {}
+    for spec in specs:
+        name, sep, rest = spec.partition("=")
+        if not sep or not name or name in out:
+            raise ValueError(f"--variant {spec!r}: expected a new NAME=ARGS")
+        out[name] = shlex.split(rest)
+    return out
+
+
+def run(args: Any) -> int:
+    """`kvfs bench door` (its arguments checked by kvfs.cli.bench)."""
+    variants = parse_variants(args.variant)
+    patterns = [p for p in args.patterns.split(",") if p]
+    cold = args.cold and can_drop_caches()
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix=".kvfs-bench-door-", dir=args.dir)
+    started = time.monotonic()
+    results: dict[str, dict[str, Any]] = {}
+    try:
+        cond = conditions({"work dir": work}, modules=("pyfuse3",), gpu=False)
+        for name, extra in variants.items():
+            results[name] = run_variant(args, work, name, extra, patterns, cold)
+        conditions_after(cond)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    rows = figure_rows(results)
+    problems = [f"variant {n}: the daemon logged a traceback" for n, v in results.items()
+                if v["daemon_tracebacks"]]
+    record: dict[str, Any] = {
+        "benchmark": "door", "rows": rows, "variants": results, "patterns": patterns,
+        "repeats": args.repeats, "scale": args.scale, "cold_measured": cold,
+        "seconds": round(time.monotonic() - started, 1), "problems": problems,
+        "conditions": {**cond, "note": args.note},
+    }
+    return finish(record, args, table(rows), draw)
+
+
+KIND = Kind("door", "Mount door", "kvfs bench door --out docs/bench", METHOD, figure_table,
+            ("kvfs", "ratio"), shown=("variants", "patterns"), plot=draw)
