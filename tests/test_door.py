@@ -203,3 +203,22 @@ def test_bench_door_writes_a_record(tmp_path):
     assert not record["problems"]
     bad = kvfs("bench", "door", "--patterns", "nope", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "nope" in bad.stderr
+
+
+def test_no_keep_cache_drops_the_pages_at_each_open(mount_factory):
+    """By default a reader's second open of an unchanged file is served from the page cache
+    (no READ reaches the daemon); with --no-keep-cache each open drops those pages."""
+    reads = {}
+    for name, extra in (("keep", []), ("drop", ["--no-keep-cache"])):
+        m = mount_factory(name, extra=extra)
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+        data = os.urandom(1 << 20)
+        (m.mnt / "t" / "f").write_bytes(data)
+        assert (m.mnt / "t" / "f").read_bytes() == data  # its pages are cached now
+        first = requests(m).get("read", 0)
+        before = requests(m).get("read", 0)
+        own = before - first  # the READs of stats.json itself, per look at it
+        assert (m.mnt / "t" / "f").read_bytes() == data
+        reads[name] = requests(m).get("read", 0) - before - own
+    assert reads["keep"] == 0
+    assert reads["drop"] > 0
