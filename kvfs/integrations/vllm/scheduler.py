@@ -1,0 +1,175 @@
+"""The KVFSConnector's scheduler side: one kvfs lookup per request, and each step's metadata
+(:class:`KVFSMetadata`): exactly the blocks to load and the full prompt blocks to save."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from kvfs.hashing import block_hashes
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from kvfs.client import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Transfer:
+    """Blocks to move between kvfs and vLLM's pages: ``hashes[i]`` <-> page ``block_ids[i]``."""
+
+    req_id: str
+    hashes: list[bytes]
+    block_ids: list[int]
+    parent: bytes | None = None
+
+
+@dataclass
+class KVFSMetadata(KVConnectorMetadata):
+    """One step's work for the worker side: loads before the forward pass, saves after."""
+
+    loads: list[_Transfer] = field(default_factory=list)
+    saves: list[_Transfer] = field(default_factory=list)
+
+
+@dataclass
+class _Request:
+    """What the scheduler side knows of one request."""
+
+    hashes: list[bytes]  # kvfs hashes of the prompt's full blocks
+    hit: int  # leading blocks kvfs holds (the lookup's answer)
+    block_ids: list[int] = field(default_factory=list)
+    saved: int = 0  # blocks [0, saved) are in kvfs or handed to the worker to save
+    load: tuple[int, int] | None = None  # (first block, count) to load in the next step
+
+
+class SchedulerSide:
+    """The scheduler-side methods of :class:`~kvfs.integrations.vllm.KVFSConnector`."""
+
+    cache: KVCache
+    _block_size: int
+    _extra: dict[str, Any]
+    _requests: dict[str, _Request]
+    _events: list[Any]
+
+    _count: Callable[..., None]
+
+    def _extra_key(self, request: Request) -> str | None:
+        """What besides the tokens changes the KV: LoRA adapter and cache salt."""
+        parts = []
+        lora = getattr(request, "lora_request", None)
+        if lora is not None:
+            parts.append(f"lora={lora.lora_name}")
+        salt = getattr(request, "cache_salt", None)
+        if salt:
+            parts.append(f"salt={salt}")
+        return ";".join(parts) or None
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        local = num_computed_tokens // self._block_size
+        if state is None:
+            state = self._lookup(request, local)
+            self._requests[request.request_id] = state
+        if state.hit <= local:
+            return 0, False
+        return (state.hit - local) * self._block_size, False
+
+    def _lookup(self, request: Request, local: int) -> _Request:
+        """One kvfs lookup of the prompt's blocks (none if vLLM's own prefix cache holds
+        every block a hit could give)."""
+        prompt = list(request.prompt_token_ids or [])
+        if getattr(request, "mm_features", None) or not prompt:
+            return _Request(hashes=[], hit=0)  # multimodal inputs: not cached by kvfs
+        hashes = block_hashes(prompt, self._block_size, extra=self._extra_key(request))
+        # At least one prompt token must be computed, to sample the next one.
+        usable = (len(prompt) - 1) // self._block_size
+        if local >= usable:
+            return _Request(hashes=hashes, hit=local, saved=local)
+        start = time.perf_counter()
+        try:
+            hit = self.cache.lookup(hashes[:usable], budget=self._extra["lookup_budget_s"])
+        except Exception:  # noqa: BLE001 - a broken mount is a miss, never a dead engine
+            log.exception("kvfs lookup in %s failed: treated as a miss", self.cache.ns_dir)
+            hit = 0
+        self._count(lookups=1, hit_blocks=hit, miss_blocks=usable - hit,
+                    lookup_s=time.perf_counter() - start)
+        return _Request(hashes=hashes, hit=hit, saved=hit)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        n = num_external_tokens // self._block_size
+        state.load = (state.hit - n, n)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = KVFSMetadata()
+        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is not None:
+                state.block_ids = list(new.block_ids[0])
+                self._plan(meta, new.req_id, state,
+                           new.num_computed_tokens + scheduled.get(new.req_id, 0))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                state.block_ids.extend(new_ids[0])
+            self._plan(meta, req_id, state,
+                       cached.num_computed_tokens[i] + scheduled.get(req_id, 0))
+        return meta
+
+    def _plan(self, meta: KVFSMetadata, req_id: str, state: _Request, end_tokens: int) -> None:
+        """The blocks this step loads (planned at allocation) and the full prompt blocks
+        it completes, to save."""
+        if state.load is not None:
+            first, n = state.load
+            state.load = None
+            meta.loads.append(_Transfer(req_id, state.hashes[first:first + n],
+                                        state.block_ids[first:first + n]))
+        full = min(len(state.hashes), end_tokens // self._block_size, len(state.block_ids))
+        if full > state.saved:
+            s = state.saved
+            meta.saves.append(_Transfer(req_id, state.hashes[s:full], state.block_ids[s:full],
+                                        parent=state.hashes[s - 1] if s else None))
+            self._offer_stored(state.hashes[s - 1] if s else None, state.hashes[s:full])
+            state.saved = full
+
+    def _offer_stored(self, parent: bytes | None, hashes: list[bytes]) -> None:
+        """A KV event for blocks on their way into kvfs (medium STORAGE)."""
+        try:
+            from vllm.distributed.kv_events import BlockStored
+        except ImportError:  # pragma: no cover - older vLLM
+            return
+        self._events.append(BlockStored(
+            block_hashes=list(hashes), parent_block_hash=parent, token_ids=[],
+            block_size=self._block_size, lora_id=None, medium="STORAGE", lora_name=None))
+
+    def take_events(self) -> Any:
+        events, self._events = self._events, []
+        return events
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their pages out during the step that completes them: the blocks may
+        # be freed now.
+        self._requests.pop(request.request_id, None)
+        return False, None
