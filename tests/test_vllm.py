@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -82,10 +83,9 @@ def work() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
-           ) -> dict | subprocess.CompletedProcess:
-    """Run one engine process on B's prompt (unless the args name another) and return
-    its JSON record (check=False: the finished process)."""
+def engine_argv(work: Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one engine process on B's prompt (unless the
+    args name another)."""
     argv = [str(VENV_PY), "-m", "kvfs.integrations.vllm", "--model", str(MODEL),
             "--max-tokens", "8", *args]
     if "--prompt-file" not in args:
@@ -93,6 +93,14 @@ def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(work / "home"),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "home" / "vllm")}
     env.pop("PYTHONSAFEPATH", None)
+    return argv, env
+
+
+def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
+           ) -> dict | subprocess.CompletedProcess:
+    """Run one engine process on B's prompt (unless the args name another) and return
+    its JSON record (check=False: the finished process)."""
+    argv, env = engine_argv(work, *args)
     kw: dict = {}
     if uid is not None:
         def drop() -> None:
@@ -331,3 +339,68 @@ def _wait_uploaded(s3, namespace: str, n: int) -> None:  # noqa: F811
             return
         assert time.monotonic() < deadline, "A's blocks never reached the bucket"
         time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["kill", "lazy-unmount"])
+def test_a_mount_that_goes_away_gives_misses_and_a_logged_error(work, how):
+    """One engine serves B's prompt twice (its own prefix cache off: each request asks the
+    connector); between the two, the daemon is killed or the mount lazily unmounted. The
+    second request is a miss (the backing directory is still there, and the direct path
+    would read it: the connector must not), completes, and answers as the first (both
+    recompute the whole prompt); the engine logs the error."""
+    mounts = _Mounts(work / f"gone-{how}")
+    m = mounts.make("m")
+    gate = work / f"gate-{how}"
+    gate.mkdir()
+    argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate", str(gate),
+                            "--prompt-file", str(work / "b.json"),
+                            "--prompt-file", str(work / "b.json"))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=str(ROOT))
+    try:
+        def go_away() -> None:
+            _wait_saved(m, HIT_BLOCKS)  # in kvfs: a living mount would give a hit
+            if how == "kill":
+                os.kill(m.pid(), signal.SIGKILL)
+            else:
+                subprocess.run(["fusermount3", "-uz", str(m.mnt)], check=True)
+
+        _pass_gate(proc, gate, 1, go_away)
+        out, err = proc.communicate(timeout=600)  # bounded: a hang fails here
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        force_unmount(m.mnt)
+        mounts.close()
+    assert proc.returncode == 0, err[-6000:]
+    rec = json.loads(out.strip().splitlines()[-1])
+    first, second = rec["requests"]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == 0
+    assert second["token_ids"] == first["token_ids"], (first["text"], second["text"])
+    assert rec["scheduler"]["unavailable"] == 1
+    assert rec["worker"]["connector"].get("loaded_blocks", 0) == 0
+    assert f"kvfs mount {m.mnt} is gone" in err
+
+
+def _wait_saved(m: Mount, n: int) -> None:
+    """Wait until the daemon counts ``n`` blocks in acme's one namespace."""
+    deadline = time.monotonic() + 60
+    while True:
+        (ns,) = (m.mnt / "acme").iterdir()
+        blocks = list(ns.glob("*/*.kv"))
+        if len(blocks) >= n:
+            return
+        assert time.monotonic() < deadline, f"{len(blocks)} of {n} blocks saved"
+        time.sleep(0.2)
+
+
+def _pass_gate(proc: subprocess.Popen, gate: Path, i: int, then) -> None:
+    """Wait for the engine to reach gate ``i``, run ``then``, let it go on."""
+    deadline = time.monotonic() + 900
+    while not (gate / f"ready-{i}").exists():
+        assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
+        assert time.monotonic() < deadline, f"the engine never reached gate {i}"
+        time.sleep(0.2)
+    then()
+    (gate / f"go-{i}").touch()

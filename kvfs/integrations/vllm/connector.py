@@ -15,6 +15,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConfigError, extra_config, model_spec, open_cache
+from .mountwatch import MountWatch
 from .scheduler import SchedulerSide, _Request, _Transfer
 from .worker import WorkerSide
 
@@ -48,6 +49,7 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
             raise ConfigError(f"KV-cache block size {self.spec.block_size} differs from the "
                               f"scheduler's {self._block_size}")
         self.cache = open_cache(extra["mount"], extra["tenant"], self.spec, extra)
+        self.watch = MountWatch(extra["mount"], self.cache.ns_dir)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":
             log.warning("kv_load_failure_policy is %r: a kvfs block that fails verification "

@@ -44,6 +44,16 @@ def _prompt_tokens(llm: Any, path: str) -> list[int]:
     return out
 
 
+def _wait_gate(gate: str, i: int, timeout: float = 600.0) -> None:
+    with open(os.path.join(gate, f"ready-{i}"), "w"):
+        pass
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(os.path.join(gate, f"go-{i}")):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no {gate}/go-{i} after {timeout} s")
+        time.sleep(0.05)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one engine (vLLM, this process) on prompts and print a JSON record."""
     import argparse
@@ -71,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn vLLM's own prefix cache off (every request asks the connector)")
     p.add_argument("--dump-loaded", help="write the pages the last load filled to this .pt")
+    p.add_argument("--gate", metavar="DIR",
+                   help="before each prompt but the first, create DIR/ready-<i> and wait for "
+                        "DIR/go-<i> (a test acts on the mount between two requests)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -109,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
 
     results: list[dict[str, Any]] = []
     snapshot_0 = snapshot()
-    for path in args.prompt_file:
+    for i, path in enumerate(args.prompt_file):
+        if args.gate and i:
+            _wait_gate(args.gate, i)
         tokens = _prompt_tokens(llm, path)
         if args.drop_caches:
             os.sync()
@@ -148,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.save(pages, args.dump_loaded)
     if scheds:
         record["scheduler"] = scheds[-1].counters()["connector"]
+
     json.dump(record, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()

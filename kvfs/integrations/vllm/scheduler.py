@@ -20,6 +20,8 @@ if TYPE_CHECKING:
 
     from kvfs.client import KVCache
 
+    from .mountwatch import MountWatch
+
 log = logging.getLogger(__name__)
 
 
@@ -56,6 +58,7 @@ class SchedulerSide:
     """The scheduler-side methods of :class:`~kvfs.integrations.vllm.KVFSConnector`."""
 
     cache: KVCache
+    watch: MountWatch
     _block_size: int
     _extra: dict[str, Any]
     _requests: dict[str, _Request]
@@ -96,6 +99,9 @@ class SchedulerSide:
         usable = (len(prompt) - 1) // self._block_size
         if local >= usable:
             return _Request(hashes=hashes, hit=local, saved=local)
+        if not self.watch.alive():  # logged there
+            self._count(lookups=1, hit_blocks=0, miss_blocks=usable, unavailable=1)
+            return _Request(hashes=hashes, hit=0)
         start = time.perf_counter()
         try:
             hit = self.cache.lookup(hashes[:usable], budget=self._extra["lookup_budget_s"])

@@ -23,6 +23,8 @@ if TYPE_CHECKING:
     from kvfs.client import KVCache
     from kvfs.hashing import ModelSpec
 
+    from .mountwatch import MountWatch
+
 log = logging.getLogger(__name__)
 
 
@@ -51,6 +53,7 @@ class WorkerSide:
     """The worker-side methods of :class:`~kvfs.integrations.vllm.KVFSConnector`."""
 
     cache: KVCache
+    watch: MountWatch
     spec: ModelSpec
     _kv_cache_config: KVCacheConfig
     _connector_metadata: Any
@@ -87,6 +90,11 @@ class WorkerSide:
         if not isinstance(meta, KVFSMetadata) or not meta.loads:
             return
         self.last_loads = list(meta.loads)
+        if not self.watch.alive():  # logged there; the backing files are not read either
+            for ld in meta.loads:
+                self._load_errors.update(ld.block_ids)
+                self._count(loads=1, failed_blocks=len(ld.hashes))
+            return
         for ld in meta.loads:
             start = time.perf_counter()
             try:
@@ -112,6 +120,10 @@ class WorkerSide:
     def wait_for_save(self) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, KVFSMetadata) or not meta.saves or not self._layers:
+            return
+        if not self.watch.alive():  # logged there: a later miss
+            self._count(saves=len(meta.saves),
+                        dropped_blocks=sum(len(sv.hashes) for sv in meta.saves))
             return
         for sv in meta.saves:
             idx = torch.tensor(sv.block_ids, dtype=torch.long, device=self._layers[0].device)
