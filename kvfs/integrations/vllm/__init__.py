@@ -25,6 +25,9 @@ Extra config keys (``kv_connector_extra_config``):
   always goes through the mount, absent: the direct path where this uid may use it.
 - ``max_pending_saves``: saves queued for the writer thread beyond which a save is dropped
   (a later miss, never a stalled forward pass); default 8.
+- ``layerwise``: ``true`` (default) loads layer by layer in the background, so that
+  ``wait_for_layer_load`` returns as each layer lands (:mod:`.layerload`); ``false`` loads
+  every block whole before the forward pass.
 
 How it works. The scheduler side hashes the request's prompt into kvfs block hashes
 (``kvfs.hashing.block_hashes`` with vLLM's block size, so one kvfs block is one vLLM block),
@@ -45,7 +48,9 @@ KV dtype, block size, layers, KV heads, head size, TP size and rank, plus (``ext
 model dtype, the KV-cache dtype setting, the device type and vLLM's KV-cache layout.
 
 Modules: ``config`` (the extra config keys, the namespace, opening it), ``scheduler`` (the
-scheduler side), ``worker`` (the worker side), ``connector`` (the class joining them),
+scheduler side), ``events`` (its KV events), ``worker`` (the worker side), ``layerload``
+(its layer-wise load), ``mountwatch`` (whether the mount is still there, asked without
+hanging), ``connector`` (the class joining them),
 ``example`` (the tests' oracle, vLLM's ExampleConnector), ``driver``: run as a module
 (``python -m kvfs.integrations.vllm --help``), it runs one engine on prompts and prints a JSON
 record; the tests and ``kvfs bench engine`` use it.

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 #: Extra config keys this connector reads (any other key is refused at start).
 CONFIG_KEYS = ("mount", "tenant", "verify", "lookup_budget_s", "model_id", "revision",
-               "direct", "max_pending_saves")
+               "direct", "max_pending_saves", "layerwise")
 DEFAULT_LOOKUP_BUDGET_S = 0.2
 
 
@@ -93,6 +93,8 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     extra["lookup_budget_s"] = budget
     if extra.get("direct") not in (None, True, False):
         raise ConfigError("kv_connector_extra_config.direct must be true, false or absent")
+    if extra.get("layerwise", True) not in (True, False):
+        raise ConfigError("kv_connector_extra_config.layerwise must be true or false")
     mps = extra.get("max_pending_saves", 8)
     if isinstance(mps, bool) or not isinstance(mps, int) or mps < 1:
         raise ConfigError("kv_connector_extra_config.max_pending_saves must be an int >= 1")

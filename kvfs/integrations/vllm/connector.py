@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -15,6 +16,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from .config import ConfigError, extra_config, model_spec, open_cache
+from .events import KVEvents
+from .layerload import LayerLoad
 from .mountwatch import MountWatch
 from .scheduler import SchedulerSide, _Request, _Transfer
 from .worker import WorkerSide
@@ -63,10 +66,14 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._totals: dict[str, int | float] = {}  # since the start
         # scheduler side
         self._requests: dict[str, _Request] = {}
-        self._events: list[Any] = []
+        self._lookups: dict[str, Future[_Request]] = {}
+        self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfs-lookup")
+        self.events = KVEvents(self.cache, self.watch, self._block_size)
         # worker side
         self._layers: list[torch.Tensor] = []
         self._load_errors: set[int] = set()
+        self._layer_load: LayerLoad | None = None  # this step's, while it runs
+        self._layer_index: dict[str, int] = {}
         self.last_loads: list[_Transfer] = []  # for tests: what the last loads were
         _INSTANCES.append(self)
 
@@ -77,6 +84,9 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
                 self._totals[k] = self._totals.get(k, 0) + v
 
     def shutdown(self) -> None:
+        if self._layer_load is not None:
+            self._layer_load.join()
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
         try:
             self.cache.close()
         except Exception:  # noqa: BLE001

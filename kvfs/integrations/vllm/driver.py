@@ -44,6 +44,23 @@ def _prompt_tokens(llm: Any, path: str) -> list[int]:
     return out
 
 
+def _recording(take: Any, into: list[dict[str, Any]]) -> Any:
+    """``take_events`` that also notes what it gives the scheduler."""
+
+    def take_events() -> Any:
+        events = list(take())
+        for ev in events:
+            stored = type(ev).__name__ == "BlockStored"
+            into.append({"type": "stored" if stored else "removed",
+                         "hashes": [h.hex() for h in ev.block_hashes], "medium": ev.medium,
+                         "parent": (ev.parent_block_hash.hex() if stored
+                                    and ev.parent_block_hash else None),
+                         "tokens": list(ev.token_ids) if stored else []})
+        return events
+
+    return take_events
+
+
 def _wait_gate(gate: str, i: int, timeout: float = 600.0) -> None:
     with open(os.path.join(gate, f"ready-{i}"), "w"):
         pass
@@ -81,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn vLLM's own prefix cache off (every request asks the connector)")
     p.add_argument("--dump-loaded", help="write the pages the last load filled to this .pt")
+    p.add_argument("--events", action="store_true",
+                   help="record the KV events the scheduler takes from the connector")
     p.add_argument("--gate", metavar="DIR",
                    help="before each prompt but the first, create DIR/ready-<i> and wait for "
                         "DIR/go-<i> (a test acts on the mount between two requests)")
@@ -120,6 +139,11 @@ def main(argv: list[str] | None = None) -> int:
                             if isinstance(v, int | float)})
         return out
 
+    events: list[dict[str, Any]] = []
+    if args.events:
+        for c in _INSTANCES:
+            if c.role == KVConnectorRole.SCHEDULER:
+                c.take_events = _recording(c.take_events, events)  # type: ignore[method-assign]
     results: list[dict[str, Any]] = []
     snapshot_0 = snapshot()
     for i, path in enumerate(args.prompt_file):
@@ -163,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.save(pages, args.dump_loaded)
     if scheds:
         record["scheduler"] = scheds[-1].counters()["connector"]
-
+    if args.events:
+        record["events"] = events
     json.dump(record, sys.stdout)
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -20,9 +22,15 @@ if TYPE_CHECKING:
 
     from kvfs.client import KVCache
 
+    from .events import KVEvents
     from .mountwatch import MountWatch
 
 log = logging.getLogger(__name__)
+
+#: Seconds a new request's lookup may keep the scheduler waiting where the mount has lower
+#: tiers (the lookup itself may take up to lookup_budget_s: past this, the request waits
+#: alone).
+LOOKUP_WAIT_S = 0.005
 
 
 @dataclass
@@ -52,6 +60,8 @@ class _Request:
     block_ids: list[int] = field(default_factory=list)
     saved: int = 0  # blocks [0, saved) are in kvfs or handed to the worker to save
     load: tuple[int, int] | None = None  # (first block, count) to load in the next step
+    tokens: list[int] = field(default_factory=list)  # the prompt (for KV events)
+    asked: int = 0  # blocks the lookup asked kvfs about (0: no lookup)
 
 
 class SchedulerSide:
@@ -62,7 +72,9 @@ class SchedulerSide:
     _block_size: int
     _extra: dict[str, Any]
     _requests: dict[str, _Request]
-    _events: list[Any]
+    _lookups: dict[str, Future[_Request]]  # lookups running in _lookup_pool
+    _lookup_pool: ThreadPoolExecutor
+    events: KVEvents
 
     _count: Callable[..., None]
 
@@ -79,14 +91,49 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
-        state = self._requests.get(request.request_id)
+        rid = request.request_id
+        state = self._requests.get(rid)
         local = num_computed_tokens // self._block_size
         if state is None:
-            state = self._lookup(request, local)
-            self._requests[request.request_id] = state
+            state = self._looked_up(request, local)
+            if state is None:
+                self._count(deferred=1)
+                return None, False  # vLLM asks again at its next step
+            self._requests[rid] = state
         if state.hit <= local:
             return 0, False
         return (state.hit - local) * self._block_size, False
+
+    def _looked_up(self, request: Request, local: int) -> _Request | None:
+        """The lookup's answer for a new request, or None while it is still running.
+
+        Where the mount has lower tiers, the lookup (which promotes what they hold, within
+        ``lookup_budget_s``) runs in a thread of its own: the request waits, unscheduled,
+        while the scheduler goes on with the others; an answer within
+        :data:`LOOKUP_WAIT_S` (all hot, or nothing anywhere) comes in this very step."""
+        rid = request.request_id
+        fut = self._lookups.get(rid)
+        if fut is None:
+            if not self.cache.tiers:
+                state = self._lookup(request, local)
+                self._offer_lookup(state)
+                return state
+            fut = self._lookups[rid] = self._lookup_pool.submit(self._lookup, request, local)
+            with contextlib.suppress(TimeoutError):
+                fut.result(timeout=LOOKUP_WAIT_S)
+        if not fut.done():
+            return None
+        del self._lookups[rid]
+        state = fut.result()  # _lookup catches what a lookup raises
+        self._offer_lookup(state)
+        return state
+
+    def _offer_lookup(self, state: _Request) -> None:
+        try:
+            if state.asked:
+                self.events.looked_up(state.hashes[:state.asked], state.hit, state.tokens)
+        except Exception:  # noqa: BLE001 - an event lost, never a request
+            log.exception("kvfs KV events after a lookup")
 
     def _lookup(self, request: Request, local: int) -> _Request:
         """One kvfs lookup of the prompt's blocks (none if vLLM's own prefix cache holds
@@ -98,10 +145,10 @@ class SchedulerSide:
         # At least one prompt token must be computed, to sample the next one.
         usable = (len(prompt) - 1) // self._block_size
         if local >= usable:
-            return _Request(hashes=hashes, hit=local, saved=local)
+            return _Request(hashes=hashes, hit=local, saved=local, tokens=prompt)
         if not self.watch.alive():  # logged there
             self._count(lookups=1, hit_blocks=0, miss_blocks=usable, unavailable=1)
-            return _Request(hashes=hashes, hit=0)
+            return _Request(hashes=hashes, hit=0, tokens=prompt)
         start = time.perf_counter()
         try:
             hit = self.cache.lookup(hashes[:usable], budget=self._extra["lookup_budget_s"])
@@ -110,7 +157,7 @@ class SchedulerSide:
             hit = 0
         self._count(lookups=1, hit_blocks=hit, miss_blocks=usable - hit,
                     lookup_s=time.perf_counter() - start)
-        return _Request(hashes=hashes, hit=hit, saved=hit)
+        return _Request(hashes=hashes, hit=hit, saved=hit, tokens=prompt, asked=usable)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -156,21 +203,20 @@ class SchedulerSide:
             s = state.saved
             meta.saves.append(_Transfer(req_id, state.hashes[s:full], state.block_ids[s:full],
                                         parent=state.hashes[s - 1] if s else None))
-            self._offer_stored(state.hashes[s - 1] if s else None, state.hashes[s:full])
+            bs = self._block_size
+            self.events.planned(state.hashes[s - 1] if s else None, state.hashes[s:full],
+                                state.tokens[s * bs:full * bs])
             state.saved = full
 
-    def _offer_stored(self, parent: bytes | None, hashes: list[bytes]) -> None:
-        """A KV event for blocks on their way into kvfs (medium STORAGE)."""
-        try:
-            from vllm.distributed.kv_events import BlockStored
-        except ImportError:  # pragma: no cover - older vLLM
-            return
-        self._events.append(BlockStored(
-            block_hashes=list(hashes), parent_block_hash=parent, token_ids=[],
-            block_size=self._block_size, lora_id=None, medium="STORAGE", lora_name=None))
-
     def take_events(self) -> Any:
-        events, self._events = self._events, []
+        try:
+            events = self.events.take()
+        except Exception:  # noqa: BLE001 - events lost, never the scheduler
+            log.exception("kvfs KV events")
+            return []
+        stored = sum(type(e).__name__ == "BlockStored" for e in events)
+        if events:
+            self._count(stored_events=stored, removed_events=len(events) - stored)
         return events
 
     def request_finished(self, request: Request,
@@ -178,4 +224,5 @@ class SchedulerSide:
         # Saves copy their pages out during the step that completes them: the blocks may
         # be freed now.
         self._requests.pop(request.request_id, None)
+        self._lookups.pop(request.request_id, None)
         return False, None

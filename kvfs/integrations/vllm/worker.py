@@ -13,6 +13,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from .config import ConfigError
+from .layerload import LayerLoad
 from .scheduler import KVFSMetadata, _Transfer
 
 if TYPE_CHECKING:
@@ -60,6 +61,9 @@ class WorkerSide:
     _lock: Any
     _stats: dict[str, int | float]
     _layers: list[torch.Tensor]
+    _layer_index: dict[str, int]
+    _layer_load: LayerLoad | None
+    _extra: dict[str, Any]
     _load_errors: set[int]
     last_loads: list[_Transfer]
 
@@ -82,6 +86,7 @@ class WorkerSide:
             # A page's bytes as kvfs's paged layout names them; the bytes are vLLM's own.
             layers.append(t.view(t.shape[0], *page))
         self._layers = layers
+        self._layer_index = {name: i for i, name in enumerate(names)}
         log.info("KVFSConnector: %d layers of %d pages registered", len(layers),
                  layers[0].shape[0] if layers else 0)
 
@@ -94,6 +99,10 @@ class WorkerSide:
             for ld in meta.loads:
                 self._load_errors.update(ld.block_ids)
                 self._count(loads=1, failed_blocks=len(ld.hashes))
+            return
+        if self._extra.get("layerwise", True):
+            # Layer by layer, in the background: wait_for_layer_load waits for each layer.
+            self._layer_load = LayerLoad(self.cache, self.spec, self._layers, meta.loads)
             return
         for ld in meta.loads:
             start = time.perf_counter()
@@ -111,13 +120,30 @@ class WorkerSide:
                         loaded_bytes=n * self.spec.block_payload_bytes)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads complete in start_load_kv, before the forward pass
+        load = self._layer_load
+        if load is not None:
+            load.wait_layer(self._layer_index[layer_name])
+
+    def _finish_layer_load(self) -> None:
+        """Wait for the step's layer-wise load to end, and account for it (before the
+        step's load errors are reported)."""
+        load, self._layer_load = self._layer_load, None
+        if load is None:
+            return
+        load.join()
+        self._load_errors.update(load.failed)
+        n = sum(len(ld.hashes) for ld in load.loads)
+        self._count(loads=len(load.loads), loaded_blocks=load.loaded,
+                    failed_blocks=n - load.loaded, load_s=load.seconds,
+                    loaded_bytes=load.loaded * self.spec.block_payload_bytes,
+                    layer_waits=load.waits)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
                       attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
         return  # saved whole in wait_for_save, once every layer is written
 
     def wait_for_save(self) -> None:
+        self._finish_layer_load()
         meta = self._connector_metadata
         if not isinstance(meta, KVFSMetadata) or not meta.saves or not self._layers:
             return
@@ -139,6 +165,7 @@ class WorkerSide:
                         dropped_blocks=0 if queued else len(sv.hashes))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_load()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
