@@ -32,16 +32,18 @@ Extra config keys (``kv_connector_extra_config``):
 How it works. The scheduler side hashes the request's prompt into kvfs block hashes
 (``kvfs.hashing.block_hashes`` with vLLM's block size, so one kvfs block is one vLLM block),
 asks kvfs once for the cached prefix (:meth:`kvfs.KVCache.lookup`) and answers
-``get_num_new_matched_tokens`` with the part of it beyond vLLM's own prefix cache. The
-metadata of each step carries exactly the blocks to load (hash, vLLM block id) and the full
-prompt blocks that the step completes, to save. The worker side reads the block files
-straight into vLLM's paged KV tensors (:meth:`kvfs.KVCache.load_paged`), before the
-forward pass; after it, it copies the new full blocks out of the pages (a memory copy) and
-hands them to the client's writer thread (:meth:`kvfs.KVCache.save_async`), so no forward
-pass waits for the disk. A block that fails verification or vanished between lookup and
-load is reported through ``get_block_ids_with_load_errors`` and vLLM recomputes it, which
-vLLM 0.32 does only with ``"kv_load_failure_policy": "recompute"`` (its default, ``fail``,
-fails the request): set it.
+``get_num_new_matched_tokens`` with the part of it beyond vLLM's own prefix cache. The metadata
+of each step carries exactly the blocks to load (hash, vLLM block id) and the full prompt
+blocks that the step completes, to save (a mount with lower tiers: the lookup runs in a thread
+while the request waits, see :meth:`SchedulerSide._looked_up`). The worker side reads the block
+files layer by layer into vLLM's paged KV tensors while the forward pass computes the layers
+already in (:mod:`.layerload`; ``layerwise: false``: whole, straight into the pages with
+:meth:`kvfs.KVCache.load_paged`, before the pass); after it, it copies the new full blocks out
+of the pages (a memory copy) and hands them to the client's writer thread
+(:meth:`kvfs.KVCache.save_async`), so no forward pass waits for the disk. A block that fails
+verification or vanished between lookup and load is reported through
+``get_block_ids_with_load_errors`` and vLLM recomputes it, which vLLM 0.32 does only with
+``"kv_load_failure_policy": "recompute"`` (its default, ``fail``, fails the request): set it.
 
 The namespace (:class:`kvfs.ModelSpec`) comes from vLLM's configuration: model, revision,
 KV dtype, block size, layers, KV heads, head size, TP size and rank, plus (``extras``) the
