@@ -355,15 +355,17 @@ def test_a_mount_that_goes_away_gives_misses_and_a_logged_error(work, how):
     would read it: the connector must not), completes, and answers as the first (both
     recompute the whole prompt); the engine logs the error."""
     mounts = _Mounts(work / f"gone-{how}")
-    m = mounts.make("m")
-    gate = work / f"gate-{how}"
-    gate.mkdir()
-    argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate", str(gate),
-                            "--prompt-file", str(work / "b.json"),
-                            "--prompt-file", str(work / "b.json"))
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(ROOT))
+    proc = None
     try:
+        m = mounts.make("m")
+        gate = work / f"gate-{how}"
+        gate.mkdir()
+        argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate",
+                                str(gate), "--prompt-file", str(work / "b.json"),
+                                "--prompt-file", str(work / "b.json"))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=str(ROOT))
+
         def go_away() -> None:
             _wait_saved(m, HIT_BLOCKS)  # in kvfs: a living mount would give a hit
             if how == "kill":
@@ -374,10 +376,11 @@ def test_a_mount_that_goes_away_gives_misses_and_a_logged_error(work, how):
         _pass_gate(proc, gate, 1, go_away)
         out, err = proc.communicate(timeout=600)  # bounded: a hang fails here
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.communicate()
-        force_unmount(m.mnt)
+        for mount in mounts.mounts:
+            force_unmount(mount.mnt)
         mounts.close()
     assert proc.returncode == 0, err[-6000:]
     rec = json.loads(out.strip().splitlines()[-1])
@@ -408,23 +411,25 @@ def test_kv_events_offer_what_kvfs_stores_and_removes(work):
     C's blocks are offered as stored once they are in kvfs, chained; A's evicted blocks are
     offered as removed, each offered stored before, and only blocks kvfs no longer held."""
     mounts = _Mounts(work / "events")
-    m = mounts.make("m", ["--capacity", "40M"])
     (work / "c.json").write_text(json.dumps(
         {"parts": [[(ROOT / "docs" / "architecture.md").read_text(), PROMPT_TOKENS]]}))
     os.chmod(work / "c.json", 0o644)
     gate = work / "gate-events"
     gate.mkdir()
-    argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate", str(gate),
-                            "--events", *[x for f in ("a", "c", "a")
-                                          for x in ("--prompt-file", str(work / f"{f}.json"))])
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=str(ROOT))
+    proc = None
     try:
+        m = mounts.make("m", ["--capacity", "40M"])
+        argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate",
+                                str(gate), "--events",
+                                *[x for f in ("a", "c", "a")
+                                  for x in ("--prompt-file", str(work / f"{f}.json"))])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=str(ROOT))
         _pass_gate(proc, gate, 1, lambda: _wait_saved(m, HIT_BLOCKS))
         _pass_gate(proc, gate, 2, lambda: _wait_evicted(m))
         out, err = proc.communicate(timeout=900)
     finally:
-        if proc.poll() is None:
+        if proc is not None and proc.poll() is None:
             proc.kill()
             proc.communicate()
         problems = mounts.close()
