@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -30,6 +31,7 @@ from .s3server import s3  # noqa: F401 - the fixture
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
+from kvfs import hashing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -82,10 +84,9 @@ def work() -> Iterator[Path]:
     shutil.rmtree(base, ignore_errors=True)
 
 
-def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
-           ) -> dict | subprocess.CompletedProcess:
-    """Run one engine process on B's prompt (unless the args name another) and return
-    its JSON record (check=False: the finished process)."""
+def engine_argv(work: Path, *args: str) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one engine process on B's prompt (unless the
+    args name another)."""
     argv = [str(VENV_PY), "-m", "kvfs.integrations.vllm", "--model", str(MODEL),
             "--max-tokens", "8", *args]
     if "--prompt-file" not in args:
@@ -93,6 +94,14 @@ def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(work / "home"),
            "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(work / "home" / "vllm")}
     env.pop("PYTHONSAFEPATH", None)
+    return argv, env
+
+
+def engine(work: Path, *args: str, uid: int | None = None, check: bool = True
+           ) -> dict | subprocess.CompletedProcess:
+    """Run one engine process on B's prompt (unless the args name another) and return
+    its JSON record (check=False: the finished process)."""
+    argv, env = engine_argv(work, *args)
     kw: dict = {}
     if uid is not None:
         def drop() -> None:
@@ -169,7 +178,8 @@ def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, sav
     assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
     assert a["scheduler"]["hit_blocks"] == 0
     dump = work / "b-loaded.pt"
-    b = engine(work, *kvfs_args(m.mnt), "--dump-loaded", str(dump))
+    # Layer by layer, as on a GPU host (a CPU host's default loads whole).
+    b = engine(work, *kvfs_args(m.mnt, layerwise=True), "--dump-loaded", str(dump))
     _B_DIRECT.append(b)
     # The connector reports the hit: B prefills only the tail.
     (req,) = b["requests"]
@@ -179,6 +189,8 @@ def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, sav
     assert w["connector"]["loaded_blocks"] == HIT_BLOCKS and w["connector"]["failed_blocks"] == 0
     assert w["client"]["fetch_amplification"] == 1.0
     assert b["direct"] is True
+    # Loaded layer by layer: the forward pass waited for each layer of the load.
+    assert w["connector"]["layer_waits"] == spec_of(b).num_layers
     # kvfs's own counters, per tenant and model, count the same.
     ns = m.stats()["tenants"]["acme"][b["namespace"]]
     assert ns["hit_blocks"] >= HIT_BLOCKS and ns["checksum_failures"] == 0
@@ -277,7 +289,7 @@ def test_a_corrupt_block_is_recomputed_like_a_missing_one(work, saved):
         tokens_hashes = _a_hashes(a)
         assert c.lookup(tokens_hashes) == HIT_BLOCKS
     bad = 6
-    path = ns / kv.hashing.block_relpath(tokens_hashes[bad])
+    path = ns / hashing.block_relpath(tokens_hashes[bad])
     with open(path, "r+b") as f:  # one byte of the payload
         f.seek(4096 + 12345)
         byte = f.read(1)
@@ -293,7 +305,7 @@ def test_a_corrupt_block_is_recomputed_like_a_missing_one(work, saved):
     assert corrupt["requests"][0]["text"], "the request did not complete"
     # The same request with that block simply missing (quarantined by now: make sure).
     deadline = time.monotonic() + 10
-    while (m.mnt / "acme" / a["namespace"] / kv.hashing.block_relpath(tokens_hashes[bad])
+    while (m.mnt / "acme" / a["namespace"] / hashing.block_relpath(tokens_hashes[bad])
            ).exists():
         assert time.monotonic() < deadline, "the corrupt block was never quarantined"
         time.sleep(0.1)
@@ -304,7 +316,7 @@ def test_a_corrupt_block_is_recomputed_like_a_missing_one(work, saved):
 
 def _a_hashes(a: dict) -> list[bytes]:
     """A's prompt's block hashes, as the connector names its blocks."""
-    return kv.hashing.block_hashes(a["requests"][0]["prompt_token_ids"], BLOCK)
+    return hashing.block_hashes(a["requests"][0]["prompt_token_ids"], BLOCK)
 
 
 @pytest.mark.mount
@@ -321,6 +333,9 @@ def test_two_mounts_sharing_s3_restore_each_others_context(work, s3):  # noqa: F
         assert b["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
         st = m2.stats()
         assert st["tenants"]["acme"][b["namespace"]]["promotions"] == HIT_BLOCKS
+        # The promotion ran while the request waited: the scheduler was told "not yet" (None)
+        # rather than kept waiting for the tier.
+        assert b["scheduler"]["deferred"] >= 1
     finally:
         problems = mounts.close()
     if problems:
@@ -336,4 +351,140 @@ def _wait_uploaded(s3, namespace: str, n: int) -> None:  # noqa: F811
                for o in objs) >= n:
             return
         assert time.monotonic() < deadline, "A's blocks never reached the bucket"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("how", ["kill", "lazy-unmount"])
+def test_a_mount_that_goes_away_gives_misses_and_a_logged_error(work, how):
+    """One engine serves B's prompt twice (its own prefix cache off: each request asks the
+    connector); between the two, the daemon is killed or the mount lazily unmounted. The
+    second request is a miss (the backing directory is still there, and the direct path
+    would read it: the connector must not), completes, and answers as the first (both
+    recompute the whole prompt); the engine logs the error."""
+    mounts = _Mounts(work / f"gone-{how}")
+    proc = None
+    try:
+        m = mounts.make("m")
+        gate = work / f"gate-{how}"
+        gate.mkdir()
+        argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate",
+                                str(gate), "--prompt-file", str(work / "b.json"),
+                                "--prompt-file", str(work / "b.json"))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=str(ROOT))
+
+        def go_away() -> None:
+            _wait_saved(m, HIT_BLOCKS)  # in kvfs: a living mount would give a hit
+            if how == "kill":
+                os.kill(m.pid(), signal.SIGKILL)
+            else:
+                subprocess.run(["fusermount3", "-uz", str(m.mnt)], check=True)
+
+        _pass_gate(proc, gate, 1, go_away)
+        out, err = proc.communicate(timeout=600)  # bounded: a hang fails here
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for mount in mounts.mounts:
+            force_unmount(mount.mnt)
+        mounts.close()
+    assert proc.returncode == 0, err[-6000:]
+    rec = json.loads(out.strip().splitlines()[-1])
+    first, second = rec["requests"]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == 0
+    assert second["token_ids"] == first["token_ids"], (first["text"], second["text"])
+    assert rec["scheduler"]["unavailable"] == 1
+    assert rec["worker"]["connector"].get("loaded_blocks", 0) == 0
+    assert f"kvfs mount {m.mnt} is gone" in err
+
+
+def _wait_saved(m: Mount, n: int) -> None:
+    """Wait until the daemon counts ``n`` blocks in acme's one namespace."""
+    deadline = time.monotonic() + 60
+    while True:
+        (ns,) = (m.mnt / "acme").iterdir()
+        blocks = list(ns.glob("*/*.kv"))
+        if len(blocks) >= n:
+            return
+        assert time.monotonic() < deadline, f"{len(blocks)} of {n} blocks saved"
+        time.sleep(0.2)
+
+
+def test_kv_events_offer_what_kvfs_stores_and_removes(work):
+    """A hot tier of 40 MB (13 of this model's 2.9 MB blocks). One engine (its own prefix
+    cache off) serves A's prompt, then prompt C of as many blocks, whose save makes kvfs
+    evict A's blocks, then A's prompt again. Through the connector's KV-event hook: A's and
+    C's blocks are offered as stored once they are in kvfs, chained; A's evicted blocks are
+    offered as removed, each offered stored before, and only blocks kvfs no longer held."""
+    mounts = _Mounts(work / "events")
+    (work / "c.json").write_text(json.dumps(
+        {"parts": [[(ROOT / "docs" / "architecture.md").read_text(), PROMPT_TOKENS]]}))
+    os.chmod(work / "c.json", 0o644)
+    gate = work / "gate-events"
+    gate.mkdir()
+    proc = None
+    try:
+        m = mounts.make("m", ["--capacity", "40M"])
+        argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache", "--gate",
+                                str(gate), "--events",
+                                *[x for f in ("a", "c", "a")
+                                  for x in ("--prompt-file", str(work / f"{f}.json"))])
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=str(ROOT))
+        _pass_gate(proc, gate, 1, lambda: _wait_saved(m, HIT_BLOCKS))
+        _pass_gate(proc, gate, 2, lambda: _wait_evicted(m))
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        problems = mounts.close()
+    assert proc.returncode == 0, err[-6000:]
+    assert not problems, problems
+    rec = json.loads(out.strip().splitlines()[-1])
+    a_req, c_req, again = rec["requests"]
+    a = hashing.block_hashes(a_req["prompt_token_ids"], BLOCK)
+    c = hashing.block_hashes(c_req["prompt_token_ids"], BLOCK)
+    offered: set[bytes] = set()
+    removed: list[bytes] = []
+    for ev in rec["events"]:
+        hashes = [bytes.fromhex(h) for h in ev["hashes"]]
+        if ev["type"] == "stored":
+            parent = bytes.fromhex(ev["parent"]) if ev["parent"] else None
+            chain = [parent, *hashes]
+            for h, p in zip(hashes, chain, strict=False):
+                assert h in a or h in c, "a block of neither prompt"
+                seq = a if h in a else c
+                assert p == (seq[seq.index(h) - 1] if seq.index(h) else None), "broken chain"
+            assert len(ev["tokens"]) == len(hashes) * BLOCK
+            offered.update(hashes)
+        else:
+            assert ev["type"] == "removed"
+            assert set(hashes) <= offered, "removed a block never offered"
+            offered.difference_update(hashes)
+            removed += hashes
+    assert set(a) <= offered | set(removed), "A's blocks were not all offered"
+    # The third request's lookup found A's blocks up to the first kvfs evicted.
+    hit = again["counters"].get("scheduler.hit_blocks", 0)
+    assert hit < HIT_BLOCKS
+    assert set(a[hit:]) <= set(removed), (hit, [a.index(h) for h in removed if h in a])
+    assert set(removed) <= set(a) | set(c)
+
+
+def _pass_gate(proc: subprocess.Popen, gate: Path, i: int, then) -> None:
+    """Wait for the engine to reach gate ``i``, run ``then``, let it go on."""
+    deadline = time.monotonic() + 900
+    while not (gate / f"ready-{i}").exists():
+        assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
+        assert time.monotonic() < deadline, f"the engine never reached gate {i}"
+        time.sleep(0.2)
+    then()
+    (gate / f"go-{i}").touch()
+
+
+def _wait_evicted(m: Mount) -> None:
+    deadline = time.monotonic() + 60
+    while sum(ns.get("evictions", 0) for ns in m.stats()["tenants"]["acme"].values()) == 0:
+        assert time.monotonic() < deadline, "kvfs evicted nothing"
         time.sleep(0.2)

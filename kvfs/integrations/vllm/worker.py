@@ -1,0 +1,186 @@
+"""The KVFSConnector's worker side: vLLM's paged KV tensors as kvfs's paged layout, loads
+into them before the forward pass and saves out of them after it, off the forward path."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .config import ConfigError
+from .layerload import LayerLoad
+from .scheduler import KVFSMetadata, _Transfer
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from kvfs.client import KVCache
+    from kvfs.hashing import ModelSpec
+
+    from .mountwatch import MountWatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class KVFSStats(KVConnectorStats):
+    """Counters of one interval, summed over workers: loads, blocks and payload bytes
+    loaded, blocks that failed to load, load seconds, saves, blocks saved and dropped.
+    (Fetch amplification is the client's: ``KVCache.stats``, and kvfs's own counters.)"""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class WorkerSide:
+    """The worker-side methods of :class:`~kvfs.integrations.vllm.KVFSConnector`."""
+
+    cache: KVCache
+    watch: MountWatch
+    spec: ModelSpec
+    _kv_cache_config: KVCacheConfig
+    _connector_metadata: Any
+    _lock: Any
+    _stats: dict[str, int | float]
+    _layers: list[torch.Tensor]
+    _layer_index: dict[str, int]
+    _layer_load: LayerLoad | None
+    _extra: dict[str, Any]
+    _load_errors: set[int]
+    last_loads: list[_Transfer]
+
+    _count: Callable[..., None]
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        s = self.spec
+        page = (2, s.block_size, s.num_kv_heads, s.head_dim)
+        layers = []
+        for name in names:
+            t = kv_caches[name]
+            per_block = t.numel() // t.shape[0] if t.shape[0] else 0
+            if (t.shape[0] != self._kv_cache_config.num_blocks or not t.is_contiguous()
+                    or per_block * t.element_size() != s.block_payload_bytes // s.num_layers):
+                raise ConfigError(
+                    f"KVFSConnector: layer {name}'s KV cache {tuple(t.shape)} is not one "
+                    f"contiguous page of {s.block_payload_bytes // s.num_layers} bytes per "
+                    f"block (this layout is not supported yet)")
+            # A page's bytes as kvfs's paged layout names them; the bytes are vLLM's own.
+            layers.append(t.view(t.shape[0], *page))
+        self._layers = layers
+        # Absent, `layerwise` follows the device: on a GPU the per-layer load overlaps the
+        # forward pass; on a CPU host it competes with it for the cores and loads slower.
+        self._layerwise = self._extra.get("layerwise")
+        if self._layerwise is None:
+            self._layerwise = bool(layers) and layers[0].is_cuda
+        self._layer_index = {name: i for i, name in enumerate(names)}
+        log.info("KVFSConnector: %d layers of %d pages registered", len(layers),
+                 layers[0].shape[0] if layers else 0)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, KVFSMetadata) or not meta.loads:
+            return
+        self.last_loads = list(meta.loads)
+        if not self.watch.alive():  # logged there; the backing files are not read either
+            for ld in meta.loads:
+                self._load_errors.update(ld.block_ids)
+                self._count(loads=1, failed_blocks=len(ld.hashes))
+            return
+        if self._layerwise:
+            # Layer by layer, in the background: wait_for_layer_load waits for each layer.
+            self._layer_load = LayerLoad(self.cache, self.spec, self._layers, meta.loads)
+            return
+        for ld in meta.loads:
+            start = time.perf_counter()
+            try:
+                n = self.cache.load_paged(ld.hashes, self._layers, ld.block_ids)
+            except Exception:  # noqa: BLE001 - a failed load is a recompute, never a crash
+                log.exception("kvfs load of %d blocks failed", len(ld.hashes))
+                n = 0
+            if n < len(ld.hashes):
+                log.warning("kvfs: %d of %d blocks of request %s not loaded: vLLM recomputes "
+                            "them", len(ld.hashes) - n, len(ld.hashes), ld.req_id)
+                self._load_errors.update(ld.block_ids[n:])
+            self._count(loads=1, loaded_blocks=n, failed_blocks=len(ld.hashes) - n,
+                        load_s=time.perf_counter() - start,
+                        loaded_bytes=n * self.spec.block_payload_bytes)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        load = self._layer_load
+        if load is not None:
+            load.wait_layer(self._layer_index[layer_name])
+
+    def _finish_layer_load(self) -> None:
+        """Wait for the step's layer-wise load to end, and account for it (before the
+        step's load errors are reported)."""
+        load, self._layer_load = self._layer_load, None
+        if load is None:
+            return
+        load.join()
+        self._load_errors.update(load.failed)
+        n = sum(len(ld.hashes) for ld in load.loads)
+        self._count(loads=len(load.loads), loaded_blocks=load.loaded,
+                    failed_blocks=n - load.loaded, load_s=load.seconds,
+                    loaded_bytes=load.loaded * self.spec.block_payload_bytes,
+                    layer_waits=load.waits)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return  # saved whole in wait_for_save, once every layer is written
+
+    def wait_for_save(self) -> None:
+        self._finish_layer_load()
+        meta = self._connector_metadata
+        if not isinstance(meta, KVFSMetadata) or not meta.saves or not self._layers:
+            return
+        if not self.watch.alive():  # logged there: a later miss
+            self._count(saves=len(meta.saves),
+                        dropped_blocks=sum(len(sv.hashes) for sv in meta.saves))
+            return
+        for sv in meta.saves:
+            idx = torch.tensor(sv.block_ids, dtype=torch.long, device=self._layers[0].device)
+            # A copy out of the pages (they may be reused once the step ends); the
+            # client's writer thread writes it while the engine goes on.
+            kv = torch.stack([t.index_select(0, idx) for t in self._layers], dim=1)
+            try:
+                queued = self.cache.save_async(sv.hashes, kv.contiguous(), parent=sv.parent)
+            except Exception:  # noqa: BLE001 - a lost save is a later miss
+                log.exception("kvfs save of %d blocks failed", len(sv.hashes))
+                queued = False
+            self._count(saves=1, saved_blocks=len(sv.hashes) if queued else 0,
+                        dropped_blocks=0 if queued else len(sv.hashes))
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        self._finish_layer_load()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            data, self._stats = self._stats, {}
+        return KVFSStats(data=data) if data else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KVFSStats(data=dict(data or {}))
+
