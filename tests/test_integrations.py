@@ -91,3 +91,43 @@ def test_parts_round_trip_and_bad_parts_change_nothing(mount):
         whole = torch.zeros(n, size, dtype=torch.uint8)
         assert c.load_parts(hashes, [[whole[i]] for i in range(n)]) == n
         assert torch.equal(whole, torch.cat([pool[0], pool[1]], dim=1))
+
+
+def test_large_blocks_written_in_hashed_pieces_read_back_verified(mount):
+    """Payloads over ONE_READ_BYTES are hashed piece by piece as they are written, the header
+    last: the file is the same (header checksum = xxh3_64 of the payload, padding zero), in
+    parts whose boundaries fall inside a piece, and a flipped byte is still caught."""
+    import xxhash
+
+    from kvfs import blockfile
+    from kvfs.hashing import ModelSpec
+    from kvfs.transport import HASH_PIECE, ONE_READ_BYTES
+
+    kvfs("tenant", "add", str(mount.mnt), "t", "--uid", "0", "--gid", "0")
+    spec = ModelSpec(model="m", revision="", kv_dtype="bfloat16", block_size=256,
+                     num_layers=9, num_kv_heads=2, head_dim=66)  # not a multiple of a piece
+    n, size = 3, spec.block_payload_bytes
+    assert size > ONE_READ_BYTES and size % HASH_PIECE
+    cut = HASH_PIECE + 1000  # a part boundary inside the second piece
+    pool = torch.randint(0, 256, (n, size), dtype=torch.uint8)
+    hashes = [bytes([i]) * 16 for i in range(1, n + 1)]
+    with KVCache.open(mount.mnt, tenant="t", spec=spec) as c:
+        assert c.save_parts(hashes, [[pool[i, :cut], pool[i, cut:]] for i in range(n)]) == n
+        for i, h in enumerate(hashes):
+            raw = open(c.path(h), "rb").read()
+            hdr = blockfile.decode_header(raw[:blockfile.HEADER_SIZE])
+            payload = raw[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + size]
+            assert payload == pool[i].numpy().tobytes()
+            assert hdr.checksum == xxhash.xxh3_64_intdigest(payload)
+            assert len(raw) == blockfile.HEADER_SIZE + blockfile.padded_size(size)
+            assert not any(raw[blockfile.HEADER_SIZE + size:])
+        back = torch.zeros_like(pool)
+        assert c.load_parts(hashes, [[back[i]] for i in range(n)]) == n
+        assert torch.equal(back, pool)
+        with open(c.path(hashes[1]), "r+b") as f:  # one byte of the last piece flipped
+            f.seek(blockfile.HEADER_SIZE + size - 5)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+        back.zero_()
+        assert c.load_parts(hashes, [[back[i]] for i in range(n)]) == 1

@@ -1,7 +1,9 @@
 """Saving blocks: each written under a temporary name and renamed into place, then published.
 
-A block file is written with one ``pwritev`` (header, payload, padding) from host memory: a
-CUDA block is copied there first, and its checksum is computed there; where the bytes come
+A block file is written from host memory with one ``pwritev`` (header, payload, padding), or,
+for a payload over :data:`~kvfs.transport.ONE_READ_BYTES`, piece by piece, each piece hashed
+right before it is written (:func:`~kvfs.transport.pwrite_hashed`), the header last. A CUDA
+block is copied to host memory first, and its checksum is computed there; where the bytes come
 from a device, its payload sums are computed on the device too (block format version 2, so
 that loads verify it there). Blocks already present are skipped (a name is its content). The
 daemon hears of what a save wrote in one ``publish`` control call per
@@ -26,7 +28,14 @@ import torch
 from .. import blockfile, control, devsum
 from ..hashing import ROOT_PARENT
 from ..layout import TEMP_PREFIX
-from ..transport import PosixTransport, checksum, host_view, pwritev_all
+from ..transport import (
+    ONE_READ_BYTES,
+    PosixTransport,
+    checksum,
+    host_view,
+    pwrite_hashed,
+    pwritev_all,
+)
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
 
@@ -130,10 +139,13 @@ class Saving(Layouts):
         views = [host_view(p) for p in host]
         plen = sum(v.nbytes for v in views)
         s = self.spec
-        head = blockfile.encode_header(blockfile.BlockHeader(
-            block_hash=h, parent_hash=parent, fingerprint=self._fingerprint,
-            token_count=s.block_size, dtype=s.kv_dtype, shape=self._shape,
-            payload_len=plen, checksum=checksum(views), sums=sums))
+
+        def header(csum: int) -> memoryview:
+            return memoryview(blockfile.encode_header(blockfile.BlockHeader(
+                block_hash=h, parent_hash=parent, fingerprint=self._fingerprint,
+                token_count=s.block_size, dtype=s.kv_dtype, shape=self._shape,
+                payload_len=plen, checksum=csum, sums=sums)))
+
         pad = _ZEROS[:blockfile.padded_size(plen) - plen]
         final = self.path(h)
         fan = os.path.dirname(final)
@@ -142,7 +154,15 @@ class Saving(Layouts):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                pwritev_all(fd, [memoryview(head), *views, pad], 0)
+                if plen > ONE_READ_BYTES:
+                    # A large payload is hashed piece by piece as it is written (each piece
+                    # still in this core's cache for the write's copy), the header last:
+                    # the file is renamed into place only once it is whole.
+                    csum = pwrite_hashed(fd, views, blockfile.HEADER_SIZE)
+                    pwritev_all(fd, [header(csum)], 0)
+                    pwritev_all(fd, [pad], blockfile.HEADER_SIZE + plen)
+                else:
+                    pwritev_all(fd, [header(checksum(views)), *views, pad], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -152,7 +172,7 @@ class Saving(Layouts):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return len(head) + plen + len(pad)
+        return blockfile.HEADER_SIZE + plen + len(pad)
 
     def save_async(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
                    parent: bytes | None = None) -> bool:

@@ -5,15 +5,20 @@ No engine is imported here.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import xxhash
 
 from ..blockfile import DTYPE_SIZES
+from ..client import CacheFull, KVCache
 from ..hashing import ModelSpec
+
+log = logging.getLogger(__name__)
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
@@ -84,3 +89,25 @@ def runs(t: torch.Tensor) -> list[torch.Tensor]:
     if t.is_contiguous():
         return [t]
     return [r for i in range(t.shape[0]) for r in runs(t[i])]
+
+
+def save_prefix(cache: KVCache, hashes: Sequence[bytes],
+                parts: Sequence[Sequence[torch.Tensor]], *, parent: bytes | None = None) -> int:
+    """Store block ``hashes[i]`` from ``parts[i]`` (:meth:`KVCache.save_parts`); returns how
+    many leading blocks are stored: all of them, or, where kvfs refuses the batch for want of
+    space (:class:`~kvfs.client.CacheFull`: a batch larger than the cache or the tenant's
+    quota can hold is refused whole and its files removed), a prefix that fits. A prefix of a
+    chain is useful (a prefix hit); the rest are later misses. Each refusal halves the batch
+    and writes it again, so at least half of the longest prefix that fits is stored, at a
+    cost of at most twice its bytes. Other errors are raised."""
+    n = len(hashes)
+    while n:
+        try:
+            cache.save_parts(hashes[:n], parts[:n], parent=parent)
+            break
+        except CacheFull:
+            n //= 2
+    if n < len(hashes):
+        log.warning("kvfs refused %d blocks for want of space: stored the first %d",
+                    len(hashes), n)
+    return n

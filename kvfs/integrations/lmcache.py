@@ -28,6 +28,9 @@ Mapping:
   is false, a get returns nothing; nothing is raised into LMCache. There is no index of this
   backend's own to go stale: a lookup asks the filesystem. Lookups, hits and misses are
   counted by kvfs per tenant and namespace.
+- Space: a put larger than kvfs can hold (its capacity, or the tenant's quota) stores a
+  prefix of its chunks that fits, not nothing (the rest are later misses; see
+  :func:`~kvfs.integrations._common.save_prefix`).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj
 from lmcache.v1.storage_backend.abstract_backend import StoragePluginInterface
 
 from ..client import KVCache
-from ._common import check_target, key_hash, page_spec
+from ._common import check_target, key_hash, page_spec, save_prefix
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +177,8 @@ class KVFSBackend(StoragePluginInterface):
     def _put(self, todo: list[tuple[CacheEngineKey, MemoryObj, torch.Tensor]],
              on_complete: Callable[[CacheEngineKey], None] | None) -> None:
         try:
-            self.cache.save_parts([self._hash(k) for k, _, _ in todo],
-                                  [[d] for _, _, d in todo])
+            save_prefix(self.cache, [self._hash(k) for k, _, _ in todo],
+                        [[d] for _, _, d in todo])
         except Exception as exc:  # noqa: BLE001 - a lost put is a later miss, never fatal
             log.warning("kvfs save of %d chunks failed: %s", len(todo), exc)
         finally:

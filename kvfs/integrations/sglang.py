@@ -32,6 +32,9 @@ Mapping:
   is a miss: ``batch_exists`` stops before it, ``batch_get_v1`` reports False from it on, and
   nothing is raised into SGLang. Lookups, hits and misses are counted by kvfs per tenant and
   namespace, as for any kvfs client.
+- Space: a batch larger than kvfs can hold (its capacity, or the tenant's quota) stores a
+  prefix of its pages that fits (``batch_set_v1`` answers True for those, False after), not
+  nothing: a prefix of a chain is a prefix hit (:func:`~kvfs.integrations._common.save_prefix`).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import torch
 
 from ..client import KVCache
 from ..hashing import ROOT_PARENT
-from ._common import BadConfig, check_target, key_hash, page_spec, runs
+from ._common import BadConfig, check_target, key_hash, page_spec, runs, save_prefix
 
 log = logging.getLogger(__name__)
 
@@ -186,11 +189,11 @@ class KVFSHiCacheStorage(HiCacheStorage):
         prefix = extra_info.prefix_keys if extra_info is not None else None
         parent = key_hash(prefix[-1]) if prefix else ROOT_PARENT
         try:
-            self._ready().save_parts([key_hash(k) for k in keys], parts, parent=parent)
+            n = save_prefix(self._ready(), [key_hash(k) for k in keys], parts, parent=parent)
         except (OSError, ValueError) as exc:
             log.warning("kvfs save of %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)
-        return [True] * len(keys)
+        return [i < n for i in range(len(keys))]
 
     # -- page tensors (the controller's generic path) ------------------------------------
 
