@@ -223,7 +223,7 @@ def main(args: Any) -> int:
         "lmcache": "not measured: LMCache's vLLM connector needs CUDA (no CPU build)",
         "s3": s3_note,
         "floor_note": "vLLM's own prefix cache holding the whole prefix, same engine process: "
-                      "no connector can beat it",
+                      "meant as the bound no connector beats (check floor / Example)",
         "conditions": {**conditions([args.dir]), "note": args.note},
     }
     head = ["tokens", "recompute ms", "floor ms", "kvfs warm ms", "kvfs cold ms", "kvfs S3 ms",
