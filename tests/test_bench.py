@@ -119,6 +119,17 @@ def test_bench_hitrate_refuses_bad_axes(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nothing mounted, nothing written
 
 
+def test_bench_engine_refuses_bad_arguments(tmp_path):
+    """Refused before any mount, S3 server or engine starts (the vLLM venv need not exist)."""
+    for args, said in ((["--repeats", "0"], "--repeats must be at least 1"),
+                       (["--lengths", "1"], "at least 2 tokens"),
+                       (["--lengths", "8160"], "--max-model-len")):
+        res = kvfs("bench", "engine", *args, "--python", str(tmp_path / "nope"), "--dir",
+                   str(tmp_path), "--out", str(tmp_path), check=False)
+        assert res.returncode == 2 and said in res.stderr and "Traceback" not in res.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing mounted, nothing written
+
+
 def test_bench_trace_writes_an_agentic_trace_and_measures_it(tmp_path):
     trace, out = tmp_path / "agentic.jsonl", tmp_path / "trace.json"
     res = kvfs("bench", "trace", "--sessions", "12", "--seed", "2", "--output", str(trace),

