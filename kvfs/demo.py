@@ -27,6 +27,7 @@ import warnings
 from typing import Any
 
 from . import blockfile, hashing
+from .layout import MANIFEST
 
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 TENANT = "demo"
@@ -124,7 +125,7 @@ def synthetic(tenant: str) -> str:
     """Synthetic blocks written through the mount; returns a block's path."""
     ns_dir = os.path.join(tenant, SPEC.namespace)
     os.makedirs(ns_dir, exist_ok=True)
-    with open(os.path.join(ns_dir, "manifest.json"), "wb") as f:
+    with open(os.path.join(ns_dir, os.fsdecode(MANIFEST)), "wb") as f:
         f.write(SPEC.manifest_json())
     # A system prompt shared by two conversations: their first blocks are the same files.
     system = list(range(1000, 1000 + 64))
