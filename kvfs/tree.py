@@ -57,6 +57,17 @@ from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
 
+
+def drop_pages(inode: int) -> None:
+    """Thread: drop the kernel's cached pages of `inode`. The kernel may have forgotten the
+    inode already (its last close came first: ENOENT), which leaves nothing to drop; no error
+    of this notification may escape into the daemon's task group."""
+    try:
+        pyfuse3.invalidate_inode(inode, False)
+    except OSError as exc:
+        if exc.errno != errno.ENOENT:
+            log.warning("could not drop the kernel's pages of inode %d: %s", inode, exc)
+
 #: How long the kernel may cache names and attributes. The daemon is the only writer of the
 #: namespace; changes it makes on its own (eviction) invalidate the kernel's entries.
 ENTRY_TIMEOUT = 10.0
@@ -298,8 +309,7 @@ class Tree:
         pyfuse3.invalidate_entry_async(node.parent, node.name, ignore_enoent=True)
         if self.nursery is not None:  # and its pages, once this reply is sent
             self.nursery.start_soon(functools.partial(
-                trio.to_thread.run_sync, pyfuse3.invalidate_inode, inode, False,
-                abandon_on_cancel=True))
+                trio.to_thread.run_sync, drop_pages, inode, abandon_on_cancel=True))
 
     # -- tenants and namespaces -----------------------------------------------------------
 

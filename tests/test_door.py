@@ -222,3 +222,24 @@ def test_no_keep_cache_drops_the_pages_at_each_open(mount_factory):
         reads[name] = requests(m).get("read", 0) - before - own
     assert reads["keep"] == 0
     assert reads["drop"] > 0
+
+
+def test_dropping_the_pages_of_an_inode_the_kernel_forgot_is_no_error(monkeypatch, caplog):
+    """A refused write-back drops the file's pages; when the kernel has forgotten the inode
+    first (its last close won the race), the notification's ENOENT must not escape into the
+    daemon's task group, which would end the mount for everyone."""
+    from kvfs import tree  # noqa: PLC0415
+
+    def forgotten(inode: int, attr_only: bool) -> None:
+        raise FileNotFoundError(errno.ENOENT, "fuse_lowlevel_notify_inval_inode returned")
+
+    monkeypatch.setattr(tree.pyfuse3, "invalidate_inode", forgotten)
+    tree.drop_pages(1234)  # nothing to drop, nothing raised, nothing logged
+    assert "could not drop" not in caplog.text
+
+    def broken(inode: int, attr_only: bool) -> None:
+        raise OSError(errno.EIO, "notify failed")
+
+    monkeypatch.setattr(tree.pyfuse3, "invalidate_inode", broken)
+    tree.drop_pages(1234)  # still not raised: said once in the log
+    assert "could not drop the kernel's pages of inode 1234" in caplog.text
