@@ -459,10 +459,9 @@ class Operations(pyfuse3.Operations):
                 self.tree.audit_op(h.uid, h.pid, node, "write" if h.writable else "read",
                                    nbytes=h.nwritten if h.writable else h.nread)
         try:
-            if h.inode in self.tree.orphans:  # the last close of an unlinked file frees blocks
-                await self.tree.io(os.close, h.fd)
-            else:  # neither reads nor waits for the disk: no round trip through a thread
-                os.close(h.fd)
+            # In a thread: the last close of an unlinked file frees its blocks, and ext4 starts
+            # write-back at the close of a file truncated and rewritten (auto_da_alloc).
+            await self.tree.io(os.close, h.fd)
         finally:
             of, changed = self.files.closed(h)
         if h.writable and of.writers == 0 and changed:
