@@ -301,6 +301,13 @@ class HeaderCheck:
         self._lead2 = MAGIC + struct.pack("<II", SUMS_VERSION, HEADER_SIZE)
         self._mid = head[_FP_OFF:_CSUM_OFF]  # fingerprint .. payload length
 
+    @property
+    def expected(self) -> tuple[bytes, bytes, bytes]:
+        """What :meth:`payload_checksum` pins, for :mod:`kvfs._fastread`, which applies the
+        same rule: the version 1 and version 2 lead (magic, version, header size) and the
+        bytes from the fingerprint to the payload length."""
+        return self._lead, self._lead2, self._mid
+
     def payload_checksum(self, buf: bytearray, block_hash: bytes) -> int | None:
         """The payload checksum recorded in ``buf`` (a 4096-byte header) if the header is
         exactly this spec's for ``block_hash``; None otherwise."""

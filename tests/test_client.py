@@ -274,6 +274,52 @@ def test_blocks_of_the_wrong_length_are_misses(mount, tenant, verify, reader):
     assert sum(ns["checksum_failures"] for ns in counts.values()) == quarantined
 
 
+@pytest.mark.parametrize("verify", ["full", "sampled"])
+def test_the_c_reads_load_what_the_python_reads_load(mount, tenant, verify):
+    """Host loads go through kvfs._fastread; the Python reads are its reference (and what
+    rechecks a block it does not accept outright): the same blocks loaded, the same bytes,
+    the same misses zeroed and reported, whichever reads them."""
+    pytest.importorskip("kvfs._fastread")
+
+    def flip(p: str, at: int) -> None:
+        with open(p, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x01]))
+
+    damages = {"sound": lambda p: None, "payload": lambda p: flip(p, 4096 + 77),
+               "magic": lambda p: flip(p, 0), "gone": os.unlink,
+               "longer": lambda p: open(p, "ab").write(b"\0"),
+               "cut": lambda p: os.truncate(p, 4096 + 10)}
+    seen = {}
+    for native in (True, False):
+        with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, verify=verify) as c:
+            c._native = native
+            for name, damage in damages.items():
+                hashes = c.block_hashes(tokens(6), extra=f"{name} {native} {verify}")
+                # The same sampling decisions for both readers: the hashes differ by reader.
+                kv = kv_of(hashes)
+                c.save(hashes, kv)
+                damage(c.path(hashes[3]))
+                out = empty(6)
+                before = c.stats
+                n = c.load(hashes, out)
+                after = c.stats
+                sampled = verify == "full" or hashes[3][-1] % 8 == 0
+                same = [i for i in range(n) if i != 3 or name != "payload"]
+                assert torch.equal(out[same], kv[same]), (name, native)
+                if n < 6:
+                    assert torch.count_nonzero(out[n]) == 0 or name == "gone", (name, native)
+                seen[(name, native)] = (
+                    n if name != "payload" or sampled else "unchecked",
+                    after["corrupt_blocks"] - before["corrupt_blocks"],
+                    after["read_bytes"] - before["read_bytes"] >= n * c._file_bytes)
+    for name in damages:
+        assert seen[(name, True)] == seen[(name, False)], name
+    assert seen[("sound", True)][0] == 6 and seen[("gone", True)][0] == 3
+
+
 def test_sampled_verification_still_checks_headers(mount, tenant):
     with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC, verify="sampled") as c:
         hashes = c.block_hashes(tokens(16))

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Install everything kvfs needs on a fresh Debian/Ubuntu machine, from nothing:
-# the FUSE 3 packages (fusermount3, and libfuse3-dev + pkg-config to build pyfuse3), a venv in
+# the FUSE 3 packages (fusermount3, and libfuse3-dev + pkg-config to build pyfuse3), the xxhash
+# header (libxxhash-dev: kvfs's one C module, kvfs/_fastread.c), a venv in
 # ./.venv, torch (CPU build) for the client, and kvfs itself with its dev extras.
 # Idempotent: a second run only checks. Run as root (or with sudo) for the apt step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-pkgs=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv attr)
+pkgs=(fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv attr libxxhash-dev)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -29,4 +30,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing kvfs"
 .venv/bin/pip install -q -e '.[dev,client]'
+.venv/bin/python -c "import kvfs._fastread" 2>/dev/null || echo "setup: warning: kvfs._fastread did not build (gcc, libxxhash-dev?): loads take the slower Python reads"
 .venv/bin/kvfs --version

@@ -17,6 +17,7 @@ blocks. :meth:`Loading.load_async` loads layer by layer (:class:`LoadHandle`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -29,6 +30,12 @@ from .. import blockfile, control, devsum
 from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
+
+try:  # the per-block work of host loads in C, without the GIL (kvfs/_fastread.c)
+    from .. import _fastread
+except ImportError:  # not built (no compiler or xxhash header at install): the Python reads
+    _fastread = None  # type: ignore[assignment]
+_unbuilt_said = False
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +149,9 @@ class Loading(Layouts):
     _channel: ControlChannel
     path: Callable[[bytes], str]
     _count: Callable[..., None]
+    #: Host loads through kvfs._fastread where it is built (False: the reads in Python, which
+    #: it must agree with; the tests compare the two).
+    _native = True
 
     def load(self, hashes: Sequence[bytes], out: torch.Tensor) -> int:
         """Read blocks into ``out[i]``; returns the number of leading blocks loaded."""
@@ -214,6 +224,10 @@ class Loading(Layouts):
         none reads past a block that failed. Blocks whose bytes landed where the host does
         not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
         contiguous layout's blocks, ``[N, ...]`` bytes)."""
+        if views_of is not None and self._native:
+            if _fastread is not None:
+                return self._load_native(hashes, tensors_of, views_of)
+            _say_unbuilt()
         prefix = _Prefix(len(hashes))
         outcomes: list[_Outcome | None] = [None] * len(hashes)
         if views_of is not None:
@@ -239,6 +253,41 @@ class Loading(Layouts):
         for f in futures:
             f.result()
         self._verify_on_device(outcomes, tensors_of, batch)
+        return self._finish_load(hashes, outcomes, tensors_of)
+
+    def _load_native(self, hashes: list[bytes],
+                     tensors_of: Callable[[int], list[torch.Tensor]],
+                     views_of: Callable[[int], list[memoryview]]) -> int:
+        """:meth:`_load` into host memory with :mod:`kvfs._fastread`: each thread's reads,
+        header checks and checksums in one call without the GIL, by the rules of
+        :meth:`_read_host`. A block it does not accept outright is read again by
+        :meth:`_read_host`, which says why it fails."""
+        n, check = len(hashes), self._header_check
+        want = bytes(self._full or h[-1] % SAMPLE_EVERY == 0 for h in hashes)
+        reads = _fastread.Reads([self.path(h) for h in hashes],
+                                [views_of(i) for i in range(n)], hashes, want, *check.expected,
+                                self.spec.block_payload_bytes, check.file_size)
+        helpers = min(self._threads, n, n * self._file_bytes // THREAD_BYTES) - 1
+        futures = [self._pool.submit(reads.run) for _ in range(max(0, helpers))]
+        try:
+            reads.run()
+        finally:
+            wait(futures)
+        for f in futures:
+            f.result()
+        prefix = _Prefix(n)
+        outcomes: list[_Outcome | None] = []
+        for i, (status, total, err) in enumerate(reads.results()):
+            o: _Outcome | None = None
+            if status == _fastread.ST_OK:
+                o = _Outcome(read=min(total, self._file_bytes), ok=True)
+            elif status == _fastread.ST_ABSENT:
+                o = _Outcome()
+            elif status == _fastread.ST_OSERROR:
+                o = _Outcome(error=OSError(err, os.strerror(err), self.path(hashes[i])))
+            elif status == _fastread.ST_RECHECK:  # the reason, or sound after all
+                o = self._read_host(i, hashes[i], views_of(i), prefix, self._scratch())
+            outcomes.append(o)
         return self._finish_load(hashes, outcomes, tensors_of)
 
     def _verify_on_device(self, outcomes: Sequence[_Outcome | None],
@@ -482,6 +531,15 @@ class Loading(Layouts):
         self._count(loaded_blocks=n, read_bytes=read, needed_bytes=n * self._file_bytes,
                     corrupt_blocks=len(corrupt), mismatched_blocks=mismatched)
         return n
+
+
+def _say_unbuilt() -> None:
+    global _unbuilt_said
+    if not _unbuilt_said:
+        _unbuilt_said = True
+        log.warning("kvfs._fastread is not built (it needs gcc and the xxhash header, "
+                    "libxxhash-dev; then reinstall kvfs): host loads take the slower reads "
+                    "in Python")
 
 
 def _has_sums(o: _Opened) -> bool:
