@@ -123,6 +123,7 @@ typedef struct {
     unsigned char *status;
     long long *total;            /* bytes read (header, payload, probe) */
     int *err;                    /* errno of ST_OSERROR */
+    Py_ssize_t *order;           /* the order blocks are taken in: the checksummed first */
     atomic_long next;            /* the next block a thread takes */
     atomic_long end;             /* the first block that failed (n: none) */
     atomic_int nowait;           /* RWF_NOWAIT works here (cleared on EOPNOTSUPP) */
@@ -274,7 +275,10 @@ read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
         }
     } else {
         /* Piece by piece, each hashed right after it lands; a piece not all in the page
-         * cache (RWF_NOWAIT comes back short) and the rest in one transfer, hashed after. */
+         * cache (RWF_NOWAIT comes back short) and the rest in one transfer, hashed after: one
+         * large request for the disk, as raw preadv makes. (Reading that rest in 1-4 MiB
+         * transfers hashed as they land, with or without POSIX_FADV_WILLNEED, measured no
+         * faster on a virtio disk: 78-87 ms against 81 for 64 MiB, raw 66-74.) */
         size_t pieces = (payload + HASH_PIECE - 1) / HASH_PIECE;
         for (size_t k = 0; k < pieces; k++) {
             size_t lo = k * HASH_PIECE, hi = lo + HASH_PIECE < payload ? lo + HASH_PIECE : payload;
@@ -343,9 +347,10 @@ Reads_run(Reads *r, PyObject *Py_UNUSED(ignored))
     Py_BEGIN_ALLOW_THREADS
     unsigned char header[HEADER_SIZE], probe[MAX_PROBE];
     for (;;) {
-        long i = atomic_fetch_add(&r->next, 1);
-        if (i >= r->n)
+        long k = atomic_fetch_add(&r->next, 1);
+        if (k >= r->n)
             break;
+        long i = (long)r->order[k];
         if (i > atomic_load(&r->end))
             continue; /* past a block that failed */
         int st = read_block(r, i, header, probe);
@@ -393,6 +398,7 @@ Reads_dealloc(Reads *r)
     PyMem_Free(r->status);
     PyMem_Free(r->total);
     PyMem_Free(r->err);
+    PyMem_Free(r->order);
     Py_TYPE(r)->tp_free((PyObject *)r);
 }
 
@@ -454,8 +460,9 @@ Reads_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     r->status = PyMem_Calloc((size_t)n + 1, 1);
     r->total = PyMem_Calloc((size_t)n + 1, sizeof(long long));
     r->err = PyMem_Calloc((size_t)n + 1, sizeof(int));
+    r->order = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
     if (!r->paths || !r->hashes || !r->want || !r->bufs || !r->first || !r->status ||
-        !r->total || !r->err) {
+        !r->total || !r->err || !r->order) {
         Py_DECREF(r);
         return PyErr_NoMemory();
     }
@@ -466,6 +473,15 @@ Reads_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     }
     memcpy(r->want, PyBytes_AS_STRING(want), (size_t)n);
+    /* The blocks to checksum are taken first (each in index order): they take longest, and
+     * the threads that finish them early take the others, so no thread is left with a hash
+     * to do when the rest are done (a load returns when its last block is in; 4 MiB blocks,
+     * one in 8 checksummed, 4 threads on 2 cores: 0-3% faster, measured interleaved). */
+    Py_ssize_t taken = 0;
+    for (int pass = 1; pass >= 0; pass--)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if ((r->want[i] != 0) == pass)
+                r->order[taken++] = i;
     r->payload = payload;
     r->file_size = file_size;
     r->probe = probe;

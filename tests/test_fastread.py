@@ -9,6 +9,7 @@ reader are compared in tests/test_client.py.
 
 from __future__ import annotations
 
+import os
 import random
 import struct
 from pathlib import Path
@@ -206,3 +207,64 @@ def test_threads_share_one_load(tmp_path: Path):
     assert all(s == fastread.ST_OK for s, _, _ in reads.results())
     for d, b in zip(dests, blocks, strict=True):
         assert bytes(d[0]) == b[4096:4096 + spec.block_payload_bytes]
+
+
+#: 9 MiB: a cold block's rest is one long transfer.
+HUGE = kvfs.ModelSpec(model="org/huge", revision="r1", kv_dtype="bfloat16", block_size=16,
+                      num_layers=3, num_kv_heads=8, head_dim=6001)
+
+
+def _drop(path: str) -> None:
+    """Evict a file's pages from the page cache (written back first): the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("spec", [BIG, HUGE], ids=["1 MiB", "9 MiB"])
+@pytest.mark.parametrize("pieces", [1, 3])
+def test_cold_blocks_get_the_same_verdicts(tmp_path: Path, spec, pieces):
+    """A checksummed block not in the page cache takes the other branch: its first piece
+    comes back short (RWF_NOWAIT), the rest in one transfer, hashed after."""
+    assert spec.block_payload_bytes % 4096
+    h, check = b"h" * 16, _check(spec)
+    good = _block(spec, h, 2)
+    n = spec.block_payload_bytes
+    cases = {"sound": good, "last payload byte": bytearray(good), "longer": good + b"\0",
+             "payload cut": good[:4096 + n // 2 + 5], "padding cut": good[:-1]}
+    cases["last payload byte"][4096 + n - 1] ^= 0x40
+    for name, data in cases.items():
+        path = str(tmp_path / "block.kv")
+        Path(path).write_bytes(data)
+        _drop(path)
+        expect = _python_verdict(path, h, check, _dests(spec, pieces), True)
+        _drop(path)
+        dests = _dests(spec, pieces)
+        reads = fastread.Reads([path], [dests], [h], b"\1", *check.expected, n,
+                               check.file_size)
+        reads.run()
+        [(status, total, _)] = reads.results()
+        assert VERDICT[status] == expect, name
+        assert (name == "sound") == (status == fastread.ST_OK), name
+        if status == fastread.ST_OK:
+            assert b"".join(dests) == bytes(data[4096:4096 + n])
+
+
+def test_the_blocks_to_checksum_are_taken_first(tmp_path: Path):
+    """They take longest: taken first, they leave the others to fill the threads' ends. One
+    thread here, so the order shows: blocks 1 and 3 (checksummed) are read before block 0
+    is found absent, block 2 after it is not read."""
+    spec, check = SMALL, _check(SMALL)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    paths = [str(tmp_path / f"{i}.kv") for i in range(4)]
+    for i in (1, 2, 3):
+        Path(paths[i]).write_bytes(_block(spec, hashes[i], i))
+    dests = [[memoryview(bytearray(spec.block_payload_bytes))] for _ in hashes]
+    reads = fastread.Reads(paths, dests, hashes, bytes([0, 1, 0, 1]), *check.expected,
+                           spec.block_payload_bytes, check.file_size)
+    reads.run()
+    assert [s for s, _, _ in reads.results()] == [
+        fastread.ST_ABSENT, fastread.ST_OK, fastread.ST_NOT_READ, fastread.ST_OK]
