@@ -191,6 +191,40 @@ def test_the_control_thread_ends_when_idle(mount, tenant, monkeypatch):
         c.close()
 
 
+def test_a_stopped_daemon_hangs_neither_loads_nor_counters_nor_close(mount, tenant,
+                                                                     monkeypatch, caplog):
+    """A daemon stopped without dying (SIGSTOP) takes no control call. Loads read the
+    backing files on without it (past MAX_QUEUED_RECORDS records queued behind the stopped
+    call, a load waits a bounded time, then drops its record); reading the counters and
+    closing wait a bounded time for the queued records, then go on and say so."""
+    import signal
+
+    from kvfs.client import cache as cache_module
+    from kvfs.client import channel as channel_module
+
+    monkeypatch.setattr(channel_module, "DRAIN_WAIT_S", 0.5)
+    monkeypatch.setattr(cache_module, "DRAIN_WAIT_S", 0.5)
+    c = KVCache.open(mount.mnt, tenant=tenant, spec=SPEC)
+    hashes = c.block_hashes(tokens(3))
+    kv = kv_of(hashes)
+    c.save(hashes, kv)
+    pid = mount.pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t = time.monotonic()
+        out = empty(3)
+        assert c.load(hashes, out) == 3 and torch.equal(out, kv)
+        for _ in range(channel_module.MAX_QUEUED_RECORDS + 2):  # records queue, then drop
+            assert c.load(hashes, empty(3)) == 3
+        assert c.stats["loaded_blocks"] == 3 * (channel_module.MAX_QUEUED_RECORDS + 3)
+        c.close()
+        assert time.monotonic() - t < 30
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert "took no control call" in caplog.text
+    assert mount.stats()["pid"] == pid  # the daemon serves on once it runs again
+
+
 def test_held_back_lookup_records_are_not_lost(mount, tenant):
     """A lookup's record waits for the next request at most, and close() sends it."""
     with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:

@@ -43,7 +43,7 @@ from ..layout import MANIFEST as _MANIFEST
 from ..layout import TEMP_PREFIX
 from ..transport import PosixTransport
 from ..transport import select as select_transport
-from .channel import ControlChannel
+from .channel import DRAIN_WAIT_S, ControlChannel
 from .layouts import DTYPES
 from .load import Loading
 from .save import Saving
@@ -197,9 +197,12 @@ class KVCache(Saving, Loading):
     @property
     def stats(self) -> dict[str, Any]:
         """Counters of this client, once the access records queued before the call are
-        sent; ``fetch_amplification`` = bytes read / bytes of the blocks loaded (1.0: every
-        block read exactly once; None before any load)."""
-        self._channel.drain()
+        sent (waiting at most ``DRAIN_WAIT_S`` for a daemon that takes no call: then with a
+        warning); ``fetch_amplification`` = bytes read / bytes of the blocks loaded (1.0:
+        every block read exactly once; None before any load)."""
+        if not self._channel.drain(DRAIN_WAIT_S):
+            log.warning("%s: the daemon took no control call for %s s: counters read before "
+                        "the queued access records reached it", self.ns_dir, DRAIN_WAIT_S)
         with self._lock:
             out: dict[str, Any] = dict(self._counters)
         out["fetch_amplification"] = (out["read_bytes"] / out["needed_bytes"]

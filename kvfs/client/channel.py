@@ -28,6 +28,10 @@ MAX_QUEUED_RECORDS = 8
 #: Seconds the control thread waits for a record before it ends (the next record starts
 #: another): a client that is never closed does not keep a thread, nor itself, alive.
 CONTROL_IDLE_S = 1.0
+#: Seconds reading the counters, or closing, waits for the queued access records to reach the
+#: daemon. A daemon stopped without dying (SIGSTOP, a debugger) takes no call; the direct path
+#: reads on without it, and neither the counters nor a close may hang on it.
+DRAIN_WAIT_S = 5.0
 
 
 class ControlChannel:
@@ -70,12 +74,16 @@ class ControlChannel:
             log.warning("%s on %s failed: %s", name.decode(), self.ns_dir, exc)
 
     def _post(self, values: list[bytes]) -> None:
-        """Queue access records for the control thread (waiting while it is far behind)."""
+        """Queue access records for the control thread (waiting while it is far behind, at
+        most :data:`DRAIN_WAIT_S`: then the records are dropped, with a warning)."""
         with self._outbox_cv:
-            while len(self._outbox) >= MAX_QUEUED_RECORDS and not self._stopping:
-                self._outbox_cv.wait()
+            room = self._outbox_cv.wait_for(
+                lambda: len(self._outbox) < MAX_QUEUED_RECORDS or self._stopping, DRAIN_WAIT_S)
             stopped = self._stopping
-            if not stopped:
+            if not room:  # the daemon takes no call: the request goes on without its record
+                log.warning("%s: the daemon took no control call for %s s: an access record "
+                            "dropped", self.ns_dir, DRAIN_WAIT_S)
+            elif not stopped:
                 self._outbox += [(control.ACCESS, v) for v in values]
             if self._sender is None:
                 self._sender = threading.Thread(target=self._send_queued, daemon=True,
@@ -107,11 +115,12 @@ class ControlChannel:
                     self._sending = False
                     self._outbox_cv.notify_all()
 
-    def drain(self) -> None:
-        """Wait until every access record queued so far has been sent."""
+    def drain(self, timeout: float | None = None) -> bool:
+        """Wait until every access record queued so far has been sent (at most ``timeout``
+        seconds: then False)."""
         with self._outbox_cv:
-            while self._outbox or self._sending:
-                self._outbox_cv.wait()
+            return self._outbox_cv.wait_for(lambda: not (self._outbox or self._sending),
+                                            timeout)
 
     def access(self, hashes: Sequence[bytes], *, defer: bool = False, now: bool = False,
                **counts: int) -> None:
@@ -152,12 +161,21 @@ class ControlChannel:
             self._post(values)
 
     def close(self) -> None:
-        """Send the held-back record and every queued one, then end the control thread."""
+        """Send the held-back record and every queued one, then end the control thread; past
+        :data:`DRAIN_WAIT_S` (a daemon that takes no call) the records left are given up,
+        with an error logged, and the thread ends once its call returns."""
         self.access(())
-        self.drain()
+        timeout = DRAIN_WAIT_S
+        sent = self.drain(timeout)
         with self._outbox_cv:
             self._stopping = True
+            lost = len(self._outbox) + self._sending
+            self._outbox = []
             self._outbox_cv.notify_all()
             sender = self._sender
-        if sender is not None:
+        if not sent:
+            log.error("%s: the daemon took no control call for %s s: %d access records not "
+                      "sent (counters and eviction order lag; no block is affected)",
+                      self.ns_dir, timeout, lost)
+        elif sender is not None:
             sender.join()
