@@ -237,7 +237,10 @@ header_ok(const Reads *r, const unsigned char *h, const unsigned char *bh, uint6
 static int
 read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
 {
-    int fd = open(r->paths[i], O_RDONLY | O_CLOEXEC);
+    int fd;
+    do
+        fd = open(r->paths[i], O_RDONLY | O_CLOEXEC);
+    while (fd < 0 && errno == EINTR); /* as Python's os.open (PEP 475) */
     if (fd < 0) {
         r->err[i] = errno;
         return errno == ENOENT ? ST_ABSENT : ST_OSERROR;
@@ -289,7 +292,10 @@ read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
             if (r->nowait) {
                 Span s;
                 span(&s, all, cnt, a, b);
-                ssize_t g = preadv2(fd, s.v, s.cnt, (off_t)a, RWF_NOWAIT);
+                ssize_t g;
+                do
+                    g = preadv2(fd, s.v, s.cnt, (off_t)a, RWF_NOWAIT);
+                while (g < 0 && errno == EINTR);
                 if (g >= 0)
                     got = g;
                 else if (errno == EAGAIN)
