@@ -80,7 +80,7 @@ def _drive(engine: str, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold: bool
            ) -> tuple[list[str], list[dict[str, Any]]]:
     if engine == "sglang":
-        geo = {"layers": 32, "page_size": 32, "heads": 2, "head_dim": 128,
+        geo = {"layers": 32, "page_size": 64, "heads": 2, "head_dim": 128,
                "dtype": "bfloat16", "layout": "page_first", "model": "bench/model"}
         unit_mib = 2
         own = "HiCacheFile"
@@ -101,12 +101,11 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
              base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "k"},
              base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "s",
                      "extra": sampled}]
-    if engine == "lmcache":
-        # The verified-store floor: the same file backend, plus one xxh3_64 pass over the same
-        # bytes in the calling thread (what any store that checksums every chunk pays).
-        names.append(f"{own} + xxh3 on ext4")
-        plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
-                             "seed": "h", "hash": "xxh3_64"})
+    # The verified-store floor: the same file backend, plus one xxh3_64 pass over the same
+    # bytes in the calling thread (what any store that checksums every page or chunk pays).
+    names.append(f"{own} + xxh3 on ext4")
+    plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
+                         "seed": "h", "hash": "xxh3_64"})
     for p in plans:
         if p["backend"] == "file":
             os.makedirs(p["dir"], exist_ok=True)
@@ -148,6 +147,8 @@ def run(args: argparse.Namespace) -> int:
         if not mounted(m.mnt):
             shutil.rmtree(work, ignore_errors=True)
     cond["load"] = "this machine is shared and was loaded by other work during the run"
+    if args.note:
+        cond["note"] = args.note
     record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
                          "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
@@ -201,6 +202,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also measure cold gets (root: drops the page cache)")
     p.add_argument("--work", help="directory for the mount and the plain directory "
                    "(default: here; the filesystem measured)")
+    p.add_argument("--note", default="", help="a note on the conditions, kept in the record")
 
 
 # -- the record, as `kvfs bench report` shows it --------------------------------------------
