@@ -30,6 +30,7 @@ import importlib
 import json
 import os
 import random
+import resource
 import sys
 import time
 from typing import Any
@@ -260,15 +261,23 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def _bench(plan: dict[str, Any], put_all: Any, get_all: Any, total: int
            ) -> dict[str, float]:
-    """Seconds to set every page, then to get them all warm and cold (median of repeats)."""
-    def timed(fn: Any) -> float:
-        t = time.perf_counter()
+    """Seconds to set every page, then to get them all warm and cold (median of repeats),
+    and the CPU seconds this process (all its threads) spent on each (``*_cpu_s``; a kvfs
+    mount's daemon is another process, not counted)."""
+    def timed(fn: Any) -> tuple[float, float]:
+        c, t = _cpu(), time.perf_counter()
         fn()
-        return time.perf_counter() - t
+        return time.perf_counter() - t, _cpu() - c
 
-    out = {"bytes": total, "set_s": timed(put_all)}
+    out: dict[str, float] = {"bytes": total}
+    out["set_s"], out["set_cpu_s"] = timed(put_all)
     reps = plan.get("repeats", 3)
     warm, cold = [], []
     get_all()
@@ -277,9 +286,10 @@ def _bench(plan: dict[str, Any], put_all: Any, get_all: Any, total: int
     for _ in range(reps if plan.get("drop_caches") else 0):
         _drop_caches()
         cold.append(timed(get_all))
-    out["get_warm_s"] = sorted(warm)[len(warm) // 2]
-    if cold:
-        out["get_cold_s"] = sorted(cold)[len(cold) // 2]
+    for name, runs_ in (("get_warm", warm), ("get_cold", cold)):
+        if runs_:
+            out[f"{name}_s"] = sorted(w for w, _ in runs_)[len(runs_) // 2]
+            out[f"{name}_cpu_s"] = sorted(c for _, c in runs_)[len(runs_) // 2]
     return out
 
 
