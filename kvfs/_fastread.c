@@ -596,10 +596,8 @@ write_file(const char *tmp, const char *final, unsigned char *h, struct iovec *p
         if (len && len < sizeof dir) {
             memcpy(dir, tmp, len);
             dir[len] = 0;
-            if (mkdir(dir, 0777) == 0 || errno == EEXIST)
+            if (mkdir(dir, 0777) == 0 || errno == EEXIST) /* else mkdir's errno */
                 fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-            else
-                errno = ENOENT;
         }
     }
     if (fd < 0)
