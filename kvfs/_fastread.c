@@ -29,6 +29,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -568,8 +569,204 @@ xxh3_64(PyObject *Py_UNUSED(self), PyObject *arg)
     return PyLong_FromUnsignedLongLong(h);
 }
 
+/* -- a save's writes -------------------------------------------------------------------- */
+
+/* pwritev of `cnt` iovecs (none empty) at `off` until all are written; 0, or -1 (errno). */
+static int
+write_all(int fd, struct iovec *v, int cnt, off_t off)
+{
+    while (cnt > 0) {
+        ssize_t got = pwritev(fd, v, cnt > MAX_IOV ? MAX_IOV : cnt, off);
+        if (got < 0) {
+            if (errno == EINTR)
+                continue;
+            return -1;
+        }
+        if (got == 0) {
+            errno = EIO;
+            return -1;
+        }
+        off += got;
+        size_t n = (size_t)got;
+        while (cnt > 0 && n >= v->iov_len) {
+            n -= v->iov_len;
+            v++;
+            cnt--;
+        }
+        if (cnt > 0) {
+            v->iov_base = (char *)v->iov_base + n;
+            v->iov_len -= n;
+        }
+    }
+    return 0;
+}
+
+/* Write one block file (the GIL released): `tmp` created (its directory too, if absent),
+ * the payload hashed and written, the header with that checksum, the padding, fsync if
+ * asked, closed, renamed to `final`. Returns the payload checksum, or -1 with errno set and
+ * `tmp` removed. */
+static int
+write_file(const char *tmp, const char *final, unsigned char *h, struct iovec *pay, int cnt,
+           size_t payload, size_t pad, int sync, uint64_t *csum)
+{
+    static const unsigned char zeros[HEADER_SIZE];
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0 && errno == ENOENT) { /* the fan-out directory is new: make it, once */
+        char dir[4096];
+        const char *slash = strrchr(tmp, '/');
+        size_t len = slash ? (size_t)(slash - tmp) : 0;
+        if (len && len < sizeof dir) {
+            memcpy(dir, tmp, len);
+            dir[len] = 0;
+            if (mkdir(dir, 0777) == 0 || errno == EEXIST) /* else mkdir's errno */
+                fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+        }
+    }
+    if (fd < 0)
+        return -1;
+    int rc = -1;
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_64bits_reset(&st);
+    struct iovec v[MAX_IOV + 2];
+    if (payload <= ONE_READ_BYTES) {
+        /* Hashed whole (it fits this core's cache), then one transfer. */
+        if (cnt == 1) {
+            *csum = hash_one(pay[0].iov_base, pay[0].iov_len);
+        } else {
+            for (int k = 0; k < cnt; k++)
+                hash_update(&st, pay[k].iov_base, pay[k].iov_len);
+            *csum = XXH3_64bits_digest(&st);
+        }
+    } else {
+        /* Piece by piece, each hashed right before it is written (still in this core's
+         * cache for the write's copy), as kvfs.transport.pwrite_hashed does. */
+        for (size_t lo = 0; lo < payload; lo += HASH_PIECE) {
+            size_t hi = lo + HASH_PIECE < payload ? lo + HASH_PIECE : payload;
+            Span sp;
+            span(&sp, pay, cnt, lo, hi);
+            for (int k = 0; k < sp.cnt; k++)
+                hash_update(&st, sp.v[k].iov_base, sp.v[k].iov_len);
+            if (write_all(fd, sp.v, sp.cnt, (off_t)(HEADER_SIZE + lo)) < 0)
+                goto out;
+        }
+        *csum = XXH3_64bits_digest(&st);
+    }
+    memcpy(h + CSUM_OFF, csum, 8);
+    memset(h + HCSUM_OFF, 0, 8);
+    uint64_t hcsum = hash_one(h, HEADER_SIZE);
+    memcpy(h + HCSUM_OFF, &hcsum, 8);
+    int n = 0;
+    v[n].iov_base = h;
+    v[n++].iov_len = HEADER_SIZE;
+    if (payload <= ONE_READ_BYTES) {
+        for (int k = 0; k < cnt; k++)
+            v[n++] = pay[k];
+    }
+    off_t end = HEADER_SIZE + (off_t)payload;
+    if (pad && payload <= ONE_READ_BYTES) {
+        v[n].iov_base = (void *)zeros;
+        v[n++].iov_len = pad;
+    } else if (pad) {
+        struct iovec z = {(void *)zeros, pad};
+        if (write_all(fd, &z, 1, end) < 0)
+            goto out;
+    }
+    if (write_all(fd, v, n, 0) < 0)
+        goto out;
+    if (sync && fsync(fd) < 0)
+        goto out;
+    rc = 0;
+out:;
+    int e = errno;
+    if (close(fd) < 0 && rc == 0) {
+        e = errno;
+        rc = -1;
+    }
+    if (rc == 0 && rename(tmp, final) < 0) {
+        e = errno;
+        rc = -1;
+    }
+    if (rc < 0)
+        unlink(tmp);
+    errno = e;
+    return rc;
+}
+
+static PyObject *
+write_block(PyObject *Py_UNUSED(self), PyObject *args)
+{
+    PyObject *tmp_o, *final_o, *seq;
+    Py_buffer hb;
+    Py_ssize_t pad;
+    int sync;
+    if (!PyArg_ParseTuple(args, "O&O&y*Onp", PyUnicode_FSConverter, &tmp_o,
+                          PyUnicode_FSConverter, &final_o, &hb, &seq, &pad, &sync))
+        return NULL;
+    PyObject *ret = NULL, *fast = NULL;
+    Py_buffer bufs[MAX_IOV];
+    Py_ssize_t nb = 0;
+    if (hb.len != HEADER_SIZE || pad < 0 || pad >= HEADER_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "write_block: a 4096-byte header and a padding "
+                                          "below 4096 bytes");
+        goto done;
+    }
+    fast = PySequence_Fast(seq, "write_block: the payload is a sequence of buffers");
+    if (!fast)
+        goto done;
+    Py_ssize_t cnt = PySequence_Fast_GET_SIZE(fast);
+    if (cnt < 1 || cnt > MAX_IOV) {
+        PyErr_Format(PyExc_ValueError, "write_block: 1 to %d payload buffers, not %zd", MAX_IOV,
+                     cnt);
+        goto done;
+    }
+    struct iovec pay[MAX_IOV];
+    int used = 0;
+    size_t payload = 0;
+    for (; nb < cnt; nb++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(fast, nb), &bufs[nb],
+                               PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        if (bufs[nb].len) {
+            pay[used].iov_base = bufs[nb].buf;
+            pay[used++].iov_len = (size_t)bufs[nb].len;
+            payload += (size_t)bufs[nb].len;
+        }
+    }
+    if (!used) {
+        PyErr_SetString(PyExc_ValueError, "write_block: an empty payload");
+        goto done;
+    }
+    unsigned char h[HEADER_SIZE];
+    memcpy(h, hb.buf, HEADER_SIZE);
+    const char *tmp = PyBytes_AS_STRING(tmp_o), *final = PyBytes_AS_STRING(final_o);
+    uint64_t csum = 0;
+    int rc, e;
+    Py_BEGIN_ALLOW_THREADS
+    rc = write_file(tmp, final, h, pay, used, payload, (size_t)pad, sync, &csum);
+    e = errno;
+    Py_END_ALLOW_THREADS
+    if (rc < 0) {
+        errno = e;
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, tmp_o);
+        goto done;
+    }
+    ret = PyLong_FromUnsignedLongLong(csum);
+done:
+    for (Py_ssize_t k = 0; k < nb; k++)
+        PyBuffer_Release(&bufs[k]);
+    Py_XDECREF(fast);
+    PyBuffer_Release(&hb);
+    Py_DECREF(tmp_o);
+    Py_DECREF(final_o);
+    return ret;
+}
+
 static PyMethodDef module_methods[] = {
     {"xxh3_64", xxh3_64, METH_O, "xxh3_64 (seed 0) of a buffer, as this module computes it."},
+    {"write_block", write_block, METH_VARARGS,
+     "write_block(tmp, final, header, payload_buffers, pad, fsync) -> payload checksum: one "
+     "block file written, checksummed, renamed into place, without the GIL."},
     {NULL, NULL, 0, NULL},
 };
 

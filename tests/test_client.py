@@ -547,6 +547,42 @@ def test_full_cache_raises(mount_factory):
             assert os.path.exists(os.path.join(c.ns_dir, hashing.block_relpath(h)))
 
 
+def test_blocks_that_fit_are_what_the_capacity_and_the_quota_hold(mount_factory):
+    mount = mount_factory(extra=["--capacity", "20K"])
+    kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")
+    file_bytes = 4096 + blockfile.padded_size(SPEC.block_payload_bytes)  # 8 KiB
+    with KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as c:
+        assert c.blocks_that_fit(10) == 20 * 1024 // file_bytes == 2
+        assert c.blocks_that_fit(1) == 1
+        hashes = c.block_hashes(tokens(4))
+        n = c.blocks_that_fit(len(hashes))
+        assert c.save(hashes[:n], kv_of(hashes[:n])) == n  # what fits is not refused
+    # A quota below the capacity: it is the limit (read again by a new client).
+    os.setxattr(mount.mnt / "acme", control.limit_name("quota"), b"12K")
+    with KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as c:
+        assert c.blocks_that_fit(10) == 1
+
+
+def test_native_and_python_writes_make_the_same_files(cache, mount):
+    """kvfs._fastread.write_block and the writes in Python: the same bytes, published alike."""
+    pytest.importorskip("kvfs._fastread")
+    hashes = cache.block_hashes(tokens(3))
+    kv = kv_of(hashes)
+    files = {}
+    for native in (False, True):
+        cache._native_writes = native
+        assert cache.save(hashes, kv) == 3
+        files[native] = [open(cache.path(h), "rb").read() for h in hashes]
+        assert not [n for n in os.listdir(os.path.dirname(cache.path(hashes[0])))
+                    if not n.endswith(".kv")]  # no temporary left
+        for h in hashes:
+            os.unlink(os.path.join(cache.ns_dir, hashing.block_relpath(h)))
+    assert files[True] == files[False]
+    assert cache.save(hashes, kv) == 3
+    out = torch.zeros_like(kv)
+    assert cache.load(hashes, out) == 3 and torch.equal(out, kv)
+
+
 def as_uid(uid: int, fn) -> str:
     """Run ``fn`` in a forked child process that has dropped to ``uid`` (a process of another
     tenant); returns what it returned. A fork needs no interpreter that the uid may execute."""

@@ -273,3 +273,71 @@ def test_the_blocks_to_checksum_are_taken_first(tmp_path: Path):
     reads.run()
     assert [s for s, _, _ in reads.results()] == [
         fastread.ST_ABSENT, fastread.ST_OK, fastread.ST_NOT_READ, fastread.ST_OK]
+
+
+# -- writes: kvfs._fastread.write_block, the save path's per-block work ---------------------
+
+
+def _zero_checksum_header(spec: kvfs.ModelSpec, h: bytes, **kw) -> bytes:
+    """The header a save hands to write_block: everything but the payload checksum."""
+    return blockfile.encode_header(blockfile.BlockHeader(
+        block_hash=h, parent_hash=b"p" * 16, fingerprint=spec.fingerprint,
+        token_count=spec.block_size, dtype=spec.kv_dtype, shape=spec.block_shape,
+        payload_len=spec.block_payload_bytes, checksum=0, **kw))
+
+
+@pytest.mark.parametrize("spec", [SMALL, BIG], ids=["one transfer", "in pieces"])
+@pytest.mark.parametrize("pieces", [1, 3, 40])
+def test_a_written_block_is_the_python_encoding(tmp_path: Path, spec, pieces):
+    """Byte for byte the block blockfile.encode makes of the same payload (header, checksum,
+    padding), in a fan-out directory it makes, renamed from a temporary that is then gone."""
+    h = b"h" * 16
+    good = _block(spec, h, 1)
+    payload = good[4096:4096 + spec.block_payload_bytes]
+    bufs = _dests(spec, pieces)
+    off = 0
+    for b in bufs:
+        b[:] = payload[off:off + b.nbytes]
+        off += b.nbytes
+    final = tmp_path / "ab" / "block.kv"
+    tmp = tmp_path / "ab" / ".tmp-block"
+    pad = len(good) - 4096 - spec.block_payload_bytes
+    csum = fastread.write_block(str(tmp), str(final), _zero_checksum_header(spec, h), bufs,
+                                pad, False)
+    assert final.read_bytes() == good
+    assert csum == blockfile.decode_header(good[:4096]).checksum
+    assert not tmp.exists()
+    # Version 2 (payload sums from a device) keeps its sums; fsync asked for.
+    sums = blockfile.payload_sums(payload)
+    v2 = _block(spec, h, 1, sums=True)
+    fastread.write_block(str(tmp), str(tmp_path / "v2.kv"),
+                         _zero_checksum_header(spec, h, sums=sums), bufs, pad, True)
+    assert (tmp_path / "v2.kv").read_bytes() == v2
+
+
+def test_a_failed_write_leaves_nothing(tmp_path: Path):
+    spec = SMALL
+    h = b"h" * 16
+    bufs = [memoryview(bytearray(spec.block_payload_bytes))]
+    header = _zero_checksum_header(spec, h)
+    # The temporary name is taken: refused (O_EXCL), the other file left as it was.
+    (tmp_path / "taken").write_bytes(b"other")
+    with pytest.raises(FileExistsError):
+        fastread.write_block(str(tmp_path / "taken"), str(tmp_path / "f.kv"), header, bufs, 0,
+                             False)
+    assert (tmp_path / "taken").read_bytes() == b"other"
+    assert not (tmp_path / "f.kv").exists()
+    # The rename fails (no such directory): the temporary is removed.
+    with pytest.raises(FileNotFoundError):
+        fastread.write_block(str(tmp_path / "t"), str(tmp_path / "no" / "f.kv"), header, bufs,
+                             0, False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+    # Bad arguments: refused before anything is made.
+    for args, match in (((header[:100], bufs, 0), "header"),
+                        ((header, bufs, 4096), "padding"),
+                        ((header, [], 0), "payload"),
+                        ((header, [memoryview(bytearray(0))], 0), "empty")):
+        with pytest.raises(ValueError, match=match):
+            fastread.write_block(str(tmp_path / "t"), str(tmp_path / "f.kv"), args[0],
+                                 args[1], args[2], False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]

@@ -4,7 +4,7 @@ engine's own file backend, on the same data.
 For each engine, in one process of the engines' venv (``.venv-engines``, built by
 tools/setup_engines.sh), through the engine's own classes (:mod:`kvfs.integrations.drive`):
 
-- SGLang 0.5.23: a real host KV pool (MHA, page-first, bfloat16, 32 layers x 32 tokens x 2
+- SGLang 0.5.23: a real host KV pool (MHA, page-first, bfloat16, 32 layers x 64 tokens x 2
   heads x 128: pages of 2 MiB), the backend made by SGLang's storage factory: HiCacheFile
   (``file``, called on SGLang's generic page path as its controller calls it) on a directory
   of the plain filesystem, HiCacheFile on a directory of a kvfs mount over the same
@@ -24,10 +24,11 @@ the same run; the engine's file backend through the mount is the figure the issu
 from. kvfs's backend verifies every block it reads (xxh3 of the payload) and checksums every
 block it writes, which the file backends do not: a fourth run with ``verify=sampled`` (one
 block in 8 checksummed on reads; writes still checksum) shows what the verification costs.
-For LMCache a fifth run, LocalDiskBackend + xxh3 on the plain filesystem, is the floor of
-any verified store: LocalDiskBackend's same set and get plus one xxh3_64 pass over the same
+A fifth run, the engine's file backend + xxh3 on the plain filesystem, is the floor of any
+verified store: the file backend's same set and get plus one xxh3_64 pass over the same
 bytes in the calling thread (before the set, after the get); kvfs's ratio against it is the
-part of the gap that is kvfs's own, the rest is the hash.
+part of the gap that is kvfs's own, the rest is the hash. Beside each time, the CPU seconds
+of the engine's process (all its threads; the kvfs daemon's are not included).
 Every read is checked (the pages' count); bytes are checked by the tests.
 """
 
@@ -80,7 +81,7 @@ def _drive(engine: str, plans: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold: bool
            ) -> tuple[list[str], list[dict[str, Any]]]:
     if engine == "sglang":
-        geo = {"layers": 32, "page_size": 32, "heads": 2, "head_dim": 128,
+        geo = {"layers": 32, "page_size": 64, "heads": 2, "head_dim": 128,
                "dtype": "bfloat16", "layout": "page_first", "model": "bench/model"}
         unit_mib = 2
         own = "HiCacheFile"
@@ -101,12 +102,11 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
              base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "k"},
              base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "s",
                      "extra": sampled}]
-    if engine == "lmcache":
-        # The verified-store floor: the same file backend, plus one xxh3_64 pass over the same
-        # bytes in the calling thread (what any store that checksums every chunk pays).
-        names.append(f"{own} + xxh3 on ext4")
-        plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
-                             "seed": "h", "hash": "xxh3_64"})
+    # The verified-store floor: the same file backend, plus one xxh3_64 pass over the same
+    # bytes in the calling thread (what any store that checksums every page or chunk pays).
+    names.append(f"{own} + xxh3 on ext4")
+    plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
+                         "seed": "h", "hash": "xxh3_64"})
     for p in plans:
         if p["backend"] == "file":
             os.makedirs(p["dir"], exist_ok=True)
@@ -148,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         if not mounted(m.mnt):
             shutil.rmtree(work, ignore_errors=True)
     cond["load"] = "this machine is shared and was loaded by other work during the run"
+    if args.note:
+        cond["note"] = args.note
     record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
                          "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
@@ -179,6 +181,16 @@ def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]]
             note = (f"vs {hashed}: {gbps[hashed]:.3f} GB/s, kvfs {rh:.2f}x of it "
                     f"(the hash alone costs the file backend "
                     f"{1 - gbps[hashed] / gbps[own]:.0%}); " + note)
+        cpu = key.replace("_s", "_cpu_s")
+        if all(cpu in res[n] for n in names):
+            # CPU seconds of the engine's process (the daemon's are not in kvfs's): what each
+            # backend costs the host, less at the mercy of other work than the wall clock.
+            row |= {"kvfs_cpu_ms": round(res[kvfs][cpu] * 1e3, 1),
+                    "baseline_cpu_ms": round(res[own][cpu] * 1e3, 1)}
+            note = (f"process CPU: kvfs {res[kvfs][cpu] * 1e3:.0f} ms, {own} "
+                    f"{res[own][cpu] * 1e3:.0f} ms"
+                    + (f", {hashed} {res[hashed][cpu] * 1e3:.0f} ms" if hashed else "")
+                    + "; " + note)
         rows.append(row | {"note": note})
     return rows
 
@@ -201,6 +213,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="also measure cold gets (root: drops the page cache)")
     p.add_argument("--work", help="directory for the mount and the plain directory "
                    "(default: here; the filesystem measured)")
+    p.add_argument("--note", default="", help="a note on the conditions, kept in the record")
 
 
 # -- the record, as `kvfs bench report` shows it --------------------------------------------
@@ -222,9 +235,11 @@ on the plain filesystem, in the same run; the conditions column gives the file b
 through the mount. kvfs's backend checksums every block it writes and verifies every block it
 reads (xxh3 over the payload), which the file backends do not do; the conditions column also
 gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the price of the
-verification is in the same run. For LMCache, the conditions column also gives the floor of
-any verified store, measured in the same run: LocalDiskBackend's same set and get plus one
-xxh3_64 pass over the same bytes in the calling thread (`LocalDiskBackend + xxh3`), and
-kvfs's ratio to it: what is below 1.0x there is kvfs's own overhead, the rest of the gap to
-the unverified backend is the hash.""", figure_table,
+verification is in the same run. It also gives the floor of any verified store, measured in
+the same run: the file backend's same set and get plus one xxh3_64 pass over the same bytes
+in the calling thread (`HiCacheFile + xxh3`, `LocalDiskBackend + xxh3`), and kvfs's ratio to
+it: what is below 1.0x there is kvfs's own overhead, the rest of the gap to the unverified
+backend is the hash; and the CPU time of the engine's process for each (the kvfs daemon's
+is not in it), which other work on a shared host disturbs less than the wall clock.""",
+            figure_table,
             ("kvfs", "baseline", "ratio", "verified_baseline", "ratio_verified"))

@@ -2,12 +2,15 @@
 
 A block file is written from host memory with one ``pwritev`` (header, payload, padding), or,
 for a payload over :data:`~kvfs.transport.ONE_READ_BYTES`, piece by piece, each piece hashed
-right before it is written (:func:`~kvfs.transport.pwrite_hashed`), the header last. A CUDA
+right before it is written (:func:`~kvfs.transport.pwrite_hashed`), the header last; where
+:mod:`kvfs._fastread` is built, all of a block's file work (create, hash and write, rename)
+is one call to its ``write_block`` without the GIL, by the same rules. A CUDA
 block is copied to host memory first, and its checksum is computed there; where the bytes come
 from a device, its payload sums are computed on the device too (block format version 2, so
 that loads verify it there). Blocks already present are skipped (a name is its content). The
 daemon hears of what a save wrote in one ``publish`` control call per
-:data:`kvfs.control.MAX_HASHES` blocks, and may refuse them (:class:`CacheFull`).
+:data:`kvfs.control.MAX_HASHES` blocks, and may refuse them (:class:`CacheFull`);
+:meth:`Saving.blocks_that_fit` says how many blocks one save can place at all.
 :meth:`Saving.save_async` queues saves for a writer thread, bounded, dropping when full.
 """
 
@@ -19,6 +22,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,10 +43,17 @@ from ..transport import (
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
 
+try:  # the per-block work of saves from host memory in C, without the GIL
+    from .._fastread import write_block as _write_native
+except ImportError:  # not built, or built before it had writes: the writes in Python
+    _write_native = None
+
 log = logging.getLogger(__name__)
 
 _TEMP = os.fsdecode(TEMP_PREFIX)
 _ZEROS = memoryview(bytes(blockfile.ALIGN))
+#: Seconds :meth:`Saving.blocks_that_fit` keeps what the mount said of its limits.
+ROOM_TTL = 1.0
 
 
 class CacheFull(OSError):
@@ -68,6 +79,10 @@ class Saving(Layouts):
     _closed: bool
     path: Callable[[bytes], str]
     _count: Callable[..., None]
+    _room: tuple[float, int | None] = (-ROOM_TTL, None)  # (when asked, bytes or None)
+    #: Block files written by kvfs._fastread.write_block where it is built (False: the
+    #: writes in Python, which it must agree with; the tests compare the two).
+    _native_writes = True
 
     def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
              parent: bytes | None = None) -> int:
@@ -90,6 +105,40 @@ class Saving(Layouts):
         pages = self._pages(layers, block_ids, len(hashes))
         stream_done(layers[0])
         return self._save(list(hashes), pages, parent)
+
+    def blocks_that_fit(self, n: int) -> int:
+        """How many of ``n`` blocks one save can place at all (``n`` where no limit stops
+        it): kvfs refuses a save whose blocks add up to more than the hot tier's capacity or
+        the tenant's quota (:class:`CacheFull`, nothing kept) even with everything else
+        evicted, so an engine that would rather store a prefix than nothing saves at most
+        this many. The limits are read through the mount (``statvfs``: the capacity, or the
+        backing filesystem's size where there is none; ``user.kvfs.quota`` of the tenant
+        directory) at most once a :data:`ROOM_TTL`; a save within them may still be refused
+        where the room is held by pinned blocks or other tenants' fair shares."""
+        at, room = self._room
+        now = time.monotonic()
+        if now - at >= ROOM_TTL:
+            room = self._ask_room()
+            self._room = (now, room)
+        if room is None:
+            return n
+        return min(n, room // (blockfile.HEADER_SIZE
+                               + blockfile.padded_size(self.spec.block_payload_bytes)))
+
+    def _ask_room(self) -> int | None:
+        limits = []
+        try:
+            st = os.statvfs(self.ns_dir)
+            limits.append(st.f_blocks * st.f_frsize)
+        except OSError as exc:
+            log.debug("statvfs of %s failed: %s", self.ns_dir, exc)
+        try:
+            quota = os.getxattr(os.path.dirname(self.ns_dir), control.limit_name("quota"))
+            if quota.strip().isdigit():
+                limits.append(int(quota))
+        except OSError as exc:  # no quota attribute: not a tenant directory of kvfs
+            log.debug("quota of %s unknown: %s", self.ns_dir, exc)
+        return min(limits, default=None)
 
     def _wants_sums(self, t: torch.Tensor) -> bool:
         """Whether blocks saved from ``t`` get payload sums (version 2): where they are on a
@@ -149,8 +198,14 @@ class Saving(Layouts):
         pad = _ZEROS[:blockfile.padded_size(plen) - plen]
         final = self.path(h)
         fan = os.path.dirname(final)
-        os.makedirs(fan, exist_ok=True)
         tmp = os.path.join(fan, f"{_TEMP}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}")
+        if _write_native is not None and self._native_writes and plen:
+            # One call, the GIL released: create (and the fan-out directory if new), hash and
+            # write the payload, the header with its checksum, the padding, rename; the
+            # temporary file is removed on a failure.
+            _write_native(tmp, final, header(0), views, len(pad), self.fsync)
+            return blockfile.HEADER_SIZE + plen + len(pad)
+        os.makedirs(fan, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:

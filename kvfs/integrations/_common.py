@@ -97,10 +97,12 @@ def save_prefix(cache: KVCache, hashes: Sequence[bytes],
     many leading blocks are stored: all of them, or, where kvfs refuses the batch for want of
     space (:class:`~kvfs.client.CacheFull`: a batch larger than the cache or the tenant's
     quota can hold is refused whole and its files removed), a prefix that fits. A prefix of a
-    chain is useful (a prefix hit); the rest are later misses. Each refusal halves the batch
-    and writes it again, so at least half of the longest prefix that fits is stored, at a
-    cost of at most twice its bytes. Other errors are raised."""
-    n = len(hashes)
+    chain is useful (a prefix hit); the rest are later misses. The batch is cut first to what
+    the capacity and the quota can hold at all (:meth:`KVCache.blocks_that_fit`), so a batch
+    larger than the cache is written once, not refused and written again; where kvfs still
+    refuses it (room held by pinned blocks or other tenants), each refusal halves it and
+    writes it again. Other errors are raised."""
+    n = cache.blocks_that_fit(len(hashes))
     while n:
         try:
             cache.save_parts(hashes[:n], parts[:n], parent=parent)
