@@ -52,7 +52,7 @@ from .policy import DEFAULT_POLICY
 from .residency import Residency
 from .settings import DEFAULTS
 from .stats import Key, Stats
-from .store import BackingStore
+from .store import BackingStore, closer
 from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,12 @@ class Tree:
         finally:
             limiter.release()
 
+    @staticmethod
+    def close_later(fd: int) -> None:
+        """Close a handle's backing fd off the event loop, without waiting for it
+        (`store.Closer`)."""
+        closer.close(fd)
+
     # -- paths ----------------------------------------------------------------------------
 
     def dir_path(self, inode: int) -> bytes:
@@ -276,7 +282,7 @@ class Tree:
         a.st_blksize = BLKSIZE
         # Blocks that live only in a lower tier take no local space: du shows the hot tier.
         a.st_blocks = 8 if node.is_dir else 0 if node.tier else -(-size // 4096) * 8
-        a.st_atime_ns = node.atime_ns
+        a.st_atime_ns = self.residency.atime(node.inode, node.atime_ns)
         a.st_mtime_ns = mtime
         a.st_ctime_ns = node.ctime_ns
         return a
@@ -415,13 +421,14 @@ class Tree:
             self.residency.forget_file(node)
             self.stats.account(self.key(node), -1, -self.size_of(node))
 
-    def dir_changed(self, *inodes: int) -> None:
+    def dir_changed(self, *inodes: int) -> int:
         """Entries were added to, removed from or renamed in these directories: their mtime
-        and ctime are now, as the backing directories' are."""
+        and ctime are now, as the backing directories' are. Returns that time."""
         now = time.time_ns()
         for inode in set(inodes):
             if inode != ORPHAN_PARENT:
                 self.index.update(inode, mtime_ns=now, ctime_ns=now)
+        return now
 
     def drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
