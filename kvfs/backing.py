@@ -93,11 +93,15 @@ def open_cached(dirfd: int, rel: bytes, flags: int) -> int | None:
     except OSError:
         return None
     how = _OpenHow(flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0, STRICT | RESOLVE_CACHED)
-    fd = _syscall(_SYS_OPENAT2, dirfd, rel, ctypes.addressof(how), _HOW_SIZE)
-    if fd >= 0:
-        return int(fd)
-    if ctypes.get_errno() in (errno.EINVAL, errno.ENOSYS):
-        use_cached = False
+    for _ in range(2):  # EAGAIN also when a concurrent rename or mount disturbed the walk
+        fd = _syscall(_SYS_OPENAT2, dirfd, rel, ctypes.addressof(how), _HOW_SIZE)
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS):
+            use_cached = False
+        if err not in (errno.EAGAIN, errno.EINTR):
+            break
     return None
 
 

@@ -1,7 +1,9 @@
 """The hot tier: a local backing directory laid out exactly as the mount's namespace.
 
-Every function here blocks (it is file I/O); the daemon calls them through
-`trio.to_thread.run_sync`, never on the event-loop thread. Paths are bytes relative to the
+Every function here blocks (it is file I/O); the daemon calls them in worker threads
+(`Tree.io`), never on the event-loop thread; two exceptions are built not to block:
+`open_cached` (a read-only open of a path the kernel has cached whole: no I/O) and `Closer`
+(closes handed to a thread of its own). Paths are bytes relative to the
 backing root. The daemon runs as root, so ownership and modes are mirrored onto the backing
 tree: the kernel enforces tenant isolation in the backing directory exactly as in the mount.
 
@@ -65,8 +67,8 @@ class Closer:
     wait for the disk (the last close of an unlinked file frees its blocks; ext4 starts
     write-back at the close of a file truncated and rewritten), so it never runs on the
     event loop; and it needs no answer, so it costs a queue entry, not a worker thread's
-    round trip through the scheduler (`trio.to_thread.run_sync`: ~130 us of CPU each on
-    the 2-core VM, against ~10 us). One thread for the process, started at first use."""
+    round trip through the scheduler (~70-130 us of CPU each on the 2-core VM, against
+    ~10 us). One thread for the process, started at first use."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[int | threading.Event] = queue.SimpleQueue()
