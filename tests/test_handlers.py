@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sqlite3
 import stat
 import threading
 from types import SimpleNamespace
@@ -120,6 +121,43 @@ def test_create_write_close_writes_the_index_twice(ops):
     node = ops.index.get(ino)
     assert (node.size, node.writing) == (5, 0)
     assert ops.index.get(parent).mtime_ns >= node.atime_ns  # (its creation time)
+
+
+def test_what_a_kill_would_leave_is_committed_before_each_step(ops, monkeypatch):
+    """Seen from another connection (what a daemon killed at that moment leaves): the new
+    row, marked as being written, is committed before the backing file exists; the flush's
+    size and end of writing are committed when the flush returns, so the release that is
+    not written any more loses nothing."""
+    other = sqlite3.connect(ops.index.path, check_same_thread=False)
+
+    def committed(ino):
+        return other.execute("SELECT size, writing FROM nodes WHERE inode=?",
+                             (ino,)).fetchone()
+
+    seen = []
+    real_create = ops.store.create
+
+    def create(rel, *a):
+        seen.append(other.execute("SELECT inode, writing FROM nodes WHERE name=?",
+                                  (rel.rsplit(b"/", 1)[-1],)).fetchone())
+        return real_create(rel, *a)
+
+    monkeypatch.setattr(ops.store, "create", create)
+
+    async def go():
+        t = await ops.mkdir(ROOT_INODE, b"t", 0o755, ROOT)
+        fi, attrs = await ops.create(t.st_ino, b"f", 0o644, os.O_WRONLY, ROOT)
+        await ops.write(fi.fh, 0, b"hello")
+        assert committed(attrs.st_ino) == (0, 1)
+        await ops.flush(fi.fh)
+        after_flush = committed(attrs.st_ino)
+        await ops.release(fi.fh)
+        return attrs.st_ino, after_flush
+
+    ino, after_flush = run(go)
+    assert seen == [(ino, 1)]
+    assert after_flush == (5, 0) == committed(ino)
+    other.close()
 
 
 def test_a_failed_create_leaves_the_directory_as_it_was(ops, monkeypatch):
