@@ -29,6 +29,7 @@ RESOLVE_NO_XDEV = 0x01
 RESOLVE_NO_MAGICLINKS = 0x02
 RESOLVE_NO_SYMLINKS = 0x04
 RESOLVE_BENEATH = 0x08
+RESOLVE_CACHED = 0x20
 STRICT = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_XDEV | RESOLVE_NO_MAGICLINKS
 
 #: openat2 is system call 437 on every architecture that has it (the unified numbering).
@@ -57,6 +58,9 @@ _HOW_SIZE = ctypes.sizeof(_OpenHow)
 #: Whether openat2 is used; False after the kernel said ENOSYS once (tests set it to check
 #: the fallback walk).
 use_openat2 = True
+#: Whether `open_cached` tries RESOLVE_CACHED; False after the kernel refused it once
+#: (EINVAL: Linux before 5.12).
+use_cached = True
 
 
 def openat2(dirfd: int, path: bytes, flags: int, mode: int = 0, resolve: int = STRICT) -> int:
@@ -71,6 +75,34 @@ def openat2(dirfd: int, path: bytes, flags: int, mode: int = 0, resolve: int = S
         if err not in (errno.EINTR, errno.EAGAIN):  # EAGAIN: a race the kernel asks to retry
             raise OSError(err, os.strerror(err), path)
     raise OSError(errno.EAGAIN, os.strerror(errno.EAGAIN), path)
+
+
+def open_cached(dirfd: int, rel: bytes, flags: int) -> int | None:
+    """`open_beneath`'s resolution with RESOLVE_CACHED too: an fd only when every component
+    of `rel` is in the kernel's dentry cache, so that the lookup does no I/O and cannot wait
+    (fit for the daemon's event loop); None when it would need the disk (EAGAIN), and for
+    anything else (a link, a missing name, a kernel without it, a long path): the caller
+    then opens in a worker thread as usual, which gives the error. Never O_CREAT or O_TRUNC
+    (the kernel refuses them with RESOLVE_CACHED)."""
+    global use_cached
+    if not (use_openat2 and use_cached) or len(rel) > CHUNK or flags & (
+            os.O_CREAT | os.O_TRUNC | os.O_TMPFILE):
+        return None
+    try:
+        components(rel)
+    except OSError:
+        return None
+    how = _OpenHow(flags | os.O_NOFOLLOW | os.O_CLOEXEC, 0, STRICT | RESOLVE_CACHED)
+    for _ in range(2):  # EAGAIN also when a concurrent rename or mount disturbed the walk
+        fd = _syscall(_SYS_OPENAT2, dirfd, rel, ctypes.addressof(how), _HOW_SIZE)
+        if fd >= 0:
+            return int(fd)
+        err = ctypes.get_errno()
+        if err in (errno.EINVAL, errno.ENOSYS):
+            use_cached = False
+        if err not in (errno.EAGAIN, errno.EINTR):
+            break
+    return None
 
 
 def components(rel: bytes) -> list[bytes]:

@@ -214,6 +214,8 @@ class Operations(pyfuse3.Operations):
             changes.setdefault("mtime_ns", now)
             self.residency.unblock(node)
         changes["ctime_ns"] = now
+        if "atime_ns" in changes:
+            self.residency.file_atimes.pop(inode, None)  # set now: an open's must not follow
         self.index.update(inode, **changes)
         return self.tree.attrs(self.index.get(inode))
 
@@ -312,20 +314,28 @@ class Operations(pyfuse3.Operations):
         tenant, ns = self.tree.child_place(parent, stat.S_IFREG)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         # Indexed (as being written) before the backing file exists: a daemon that dies in
-        # between leaves a row that the next mount removes, never a stray empty file.
-        node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
-                                 uid=ctx.uid, gid=gid, tenant=tenant, ns=ns, writing=1)
+        # between leaves a row that the next mount removes, never a stray empty file. The
+        # directory's new times go in the same commit (one index transaction per create);
+        # a create that fails puts them back.
+        with self.index.transaction():
+            node = self.index.insert(parent=parent.inode, name=name, mode=stat.S_IFREG | mode,
+                                     uid=ctx.uid, gid=gid, tenant=tenant, ns=ns, writing=1)
+            stamp = self.tree.dir_changed(parent.inode)
         try:
             fd = await self.tree.io(self.store.create, path, bflags, mode, ctx.uid, gid,
                                     tenant=parent.tenant)
         except BaseException:
-            current = self.index.find(node.inode)
-            if current is not None and current.parent != ORPHAN_PARENT:
-                self.index.delete(node.inode)
+            with self.index.transaction():
+                current = self.index.find(node.inode)
+                if current is not None and current.parent != ORPHAN_PARENT:
+                    self.index.delete(node.inode)
+                now = self.index.find(parent.inode)
+                if now is not None and now.mtime_ns == stamp:  # no other change since
+                    self.index.update(parent.inode, mtime_ns=parent.mtime_ns,
+                                      ctime_ns=parent.ctime_ns)
             raise
         if not writable:
             self.index.update(node.inode, writing=0)
-        self.tree.dir_changed(parent.inode)
         self.stats.account(self.tree.key(node), 1, 0)
         self.residency.add_file(node)  # no block yet
         fh = self.files.register(node, fd, writable, ctx, created=True)
@@ -362,8 +372,12 @@ class Operations(pyfuse3.Operations):
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         bflags = backing_flags(flags)
         truncate = writable and bool(flags & os.O_TRUNC)
-        fd = await self.tree.io(self.store.open, self.tree.path(node), bflags, tenant=node.tenant)
-        node = self.index.get(inode)
+        rel = self.tree.path(node)
+        # A read whose path the kernel has cached opens here, without a thread (no I/O).
+        fd = None if writable else self.store.open_cached(rel, bflags)
+        if fd is None:
+            fd = await self.tree.io(self.store.open, rel, bflags, tenant=node.tenant)
+            node = self.index.get(inode)  # re-read: the world may have moved during the await
         fh = self.files.register(node, fd, writable, ctx)
         if truncate:
             of = self.open_files[inode]
@@ -376,7 +390,7 @@ class Operations(pyfuse3.Operations):
             self.stats.account(self.tree.key(node), 0, -of.size)
             of.size, of.mtime_ns = 0, time.time_ns()
         now = time.time_ns()
-        self.index.update(inode, atime_ns=now)
+        self.residency.opened(inode, now)  # the index has it with the next batch
         self.residency.record_use(node, now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self.tree.key(node)].mount_hits += 1
@@ -412,8 +426,8 @@ class Operations(pyfuse3.Operations):
         growth = off + len(buf) - of.size
         if growth > 0:
             try:
-                await self.reclaim.make_room(self.index.get(h.inode), growth, off + len(buf),
-                                             exclude=h.inode)
+                await self.reclaim.make_room_for(h.key[0], growth, off + len(buf),
+                                                 exclude=h.inode)
             except FUSEError:
                 self.tree.refused_writeback(h.inode)  # with the write-back cache on
                 raise
@@ -458,12 +472,10 @@ class Operations(pyfuse3.Operations):
             if node is not None and (h.nread or h.nwritten or h.writable):
                 self.tree.audit_op(h.uid, h.pid, node, "write" if h.writable else "read",
                                    nbytes=h.nwritten if h.writable else h.nread)
-        try:
-            # In a thread: the last close of an unlinked file frees its blocks, and ext4 starts
-            # write-back at the close of a file truncated and rewritten (auto_da_alloc).
-            await self.tree.io(os.close, h.fd)
-        finally:
-            of, changed = self.files.closed(h)
+        # Off the event loop (the last close of an unlinked file frees its blocks, and ext4
+        # starts write-back at the close of a file truncated and rewritten), not waited for.
+        self.tree.close_later(h.fd)
+        of, changed = self.files.closed(h)
         if h.writable and of.writers == 0 and changed:
             await self.adoption.complete(h.inode)
         self.tree.purge_orphan(h.inode)

@@ -389,11 +389,15 @@ class Index:
         ).fetchone()
         return _node(row) if row else None
 
-    def touch_blocks(self, touched: list[tuple[int, int, bytes]]) -> None:
-        """Access times of blocks: (atime_ns, namespace, block hash) each, in one transaction."""
+    def touch(self, blocks: list[tuple[int, int, bytes]], files: list[tuple[int, int]]) -> None:
+        """Access times, in one transaction: of blocks, (atime_ns, namespace, block hash)
+        each, and of files, (atime_ns, inode) each."""
         with self.transaction():
-            self.db.executemany(
-                "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?", touched)
+            if blocks:
+                self.db.executemany(
+                    "UPDATE nodes SET atime_ns=? WHERE ns=? AND block_hash=?", blocks)
+            if files:
+                self.db.executemany("UPDATE nodes SET atime_ns=? WHERE inode=?", files)
 
     def cached_files(self, newest: int, tenant: int | None = None) -> Iterator[Node]:
         """The `newest` most recently accessed named regular files of the hot tier (of one

@@ -38,6 +38,7 @@ class OpenFile:
     size: int = 0
     mtime_ns: int = 0
     dirty: bool = False
+    saved: tuple[int, int] = (0, 0)  # (size, mtime_ns) as last written to the index
 
 
 @dataclass(slots=True)
@@ -113,6 +114,7 @@ class OpenFiles:
             if of.writers == 1:
                 of.dirty = True
                 of.size = node.size
+                of.saved = (of.size, of.mtime_ns)
         h = Handle(node.inode, fd, writable, (node.tenant, node.ns))
         if ctx is not None:
             h.uid, h.pid = ctx.uid, ctx.pid
@@ -137,11 +139,21 @@ class OpenFiles:
             self.residency.unblock(self.index.get(inode))
             self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
 
+    @staticmethod
+    def _unsaved(of: OpenFile, fields: dict[str, Any]) -> None:
+        """Add a changed file's size and times to `fields` unless the index holds them."""
+        if of.dirty and of.changed and (of.size, of.mtime_ns) != of.saved:
+            fields.update(size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
+            of.saved = (of.size, of.mtime_ns)
+
     def persist(self, inode: int) -> None:
         """Write the size and mtime of a file being written to the index."""
         of = self.files.get(inode)
-        if of is not None and of.dirty and of.changed:
-            self.index.update(inode, size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
+        if of is not None:
+            fields: dict[str, Any] = {}
+            self._unsaved(of, fields)
+            if fields:
+                self.index.update(inode, **fields)
 
     def flushed(self, h: Handle) -> None:
         """close(2) returned to a writer: what it wrote is complete as far as it knows, so a
@@ -150,8 +162,8 @@ class OpenFiles:
         (`persist`) and the end of writing are one index update."""
         of = self.files.get(h.inode)
         fields: dict[str, Any] = {}
-        if of is not None and of.dirty and of.changed:
-            fields.update(size=of.size, mtime_ns=of.mtime_ns, ctime_ns=of.mtime_ns)
+        if of is not None:
+            self._unsaved(of, fields)
         if of is not None and h.written:
             h.written = False
             of.pending -= 1
@@ -163,25 +175,28 @@ class OpenFiles:
 
     def closed(self, h: Handle) -> tuple[OpenFile, bool]:
         """A handle's descriptor is closed: returns its file's state and whether the file
-        was changed since its first writer opened it."""
+        was changed since its first writer opened it. What the index holds already (a
+        writer's flush wrote the size, times and the end of writing) is not written again:
+        the last close of a file its flush left complete costs no index statement."""
         of = self.files[h.inode]
         of.handles -= 1
         changed = of.changed
+        fields: dict[str, Any] = {}
         if h.written:  # closed without a flush: what it changed is no longer pending
             of.pending -= 1
             if of.written and not of.pending and not of.unowned:
                 of.written = False
-                self.index.update(h.inode, writing=0)
+                fields["writing"] = 0
         if h.writable:
             of.writers -= 1
             if of.writers == 0:
-                if changed and of.dirty:  # persist and the end of writing: one update
-                    self.index.update(h.inode, size=of.size, mtime_ns=of.mtime_ns,
-                                      ctime_ns=of.mtime_ns, writing=0)
-                elif changed:
-                    self.index.update(h.inode, writing=0)
+                self._unsaved(of, fields)  # persist and the end of writing: one update
+                if of.written:
+                    fields["writing"] = 0
                 of.dirty = of.written = of.changed = of.unowned = False
                 of.pending = 0
+        if fields:
+            self.index.update(h.inode, **fields)
         if of.handles == 0:
             del self.files[h.inode]
         return of, changed

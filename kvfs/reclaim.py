@@ -158,9 +158,13 @@ class Reclaim:
         its own evictable files cannot make up the difference, ENOSPC when the capacity
         cannot be freed under the fair-share rule. `exclude` (the file that grows) is never
         chosen to make room for itself."""
+        await self.make_room_for(node.tenant, growth, size, exclude)
+
+    async def make_room_for(self, tenant: int, growth: int, size: int | None = None,
+                            exclude: int | None = None) -> None:
+        """`make_room` by the tenant's inode (a write knows it without reading the index)."""
         if growth <= 0:
             return
-        tenant = node.tenant
         cap, limits = self.tree.info.capacity, self.residency.limits.get(tenant)
         whole = growth if size is None else size
         if cap is not None and whole > cap:

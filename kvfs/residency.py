@@ -11,8 +11,9 @@ Shared state, all touched from the event loop only:
 - `policies`, `cold_floor`: changed by every request that opens, writes, publishes, pins or
   closes a file, and by eviction choosing its victims.
 - `limits`: read at mount (`load_limits`); changed by the limit xattrs (kvfs.xattrs).
-- `atimes`: access times the client reports (the access command), written to the index by the
-  atime task of kvfs.reclaim (`flush_atimes`) and before each retention scan.
+- `atimes`: access times the client reports (the access command), and `file_atimes`, those of
+  opens through the mount, written to the index by the atime task of kvfs.reclaim
+  (`flush_atimes`) and before each retention scan; a setattr of the times drops the file's.
 - `open_files`, `evicting` are the caller's (kvfs.tree): read here, never changed.
 """
 
@@ -91,6 +92,7 @@ class Residency:
         self.limits: dict[int, Limits] = {}
         self.cold_floor: dict[int, int] = {}  # tenant -> cold files a scan could not evict
         self.atimes: dict[tuple[int, bytes], int] = {}  # (ns, hash) -> atime, not yet written
+        self.file_atimes: dict[int, int] = {}  # inode -> atime of an open, not yet written
 
     # -- the policies' entries ------------------------------------------------------------
 
@@ -184,11 +186,24 @@ class Residency:
         if entered:
             self.spill_to_cold()
 
+    def opened(self, inode: int, now_ns: int) -> None:
+        """A file was opened through the mount at `now_ns`: its access time reaches the index
+        with the next batch (`flush_atimes`), not as one commit per open; until then
+        `atime` answers for it."""
+        self.file_atimes[inode] = now_ns
+
+    def atime(self, inode: int, indexed: int) -> int:
+        """A file's access time: one not written yet, else the index's (`indexed`)."""
+        return self.file_atimes.get(inode, indexed) if self.file_atimes else indexed
+
     def flush_atimes(self) -> None:
-        """Write the access times the kvfs client reported since the last flush."""
-        if self.atimes:
-            pending, self.atimes = self.atimes, {}
-            self.index.touch_blocks([(t, ns, h) for (ns, h), t in pending.items()])
+        """Write the access times the kvfs client reported and the mount's opens made since
+        the last flush (one transaction)."""
+        if self.atimes or self.file_atimes:
+            blocks, self.atimes = self.atimes, {}
+            files, self.file_atimes = self.file_atimes, {}
+            self.index.touch([(t, ns, h) for (ns, h), t in blocks.items()],
+                             [(t, inode) for inode, t in files.items()])
 
     def unblock(self, node: Node) -> None:
         """A block stops being one (truncated, renamed away): key its policy entry by inode."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import sqlite3
 import stat
 import threading
 from types import SimpleNamespace
@@ -13,10 +14,10 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfs import fsck
+from kvfs import backing, fsck
 from kvfs.fs import MountInfo, Operations
 from kvfs.index import ORPHAN_PARENT, ROOT_INODE, Index
-from kvfs.store import BackingStore
+from kvfs.store import BackingStore, closer
 
 ROOT = SimpleNamespace(uid=0, gid=0, pid=1, umask=0o022)
 USER = SimpleNamespace(uid=1000, gid=1000, pid=2, umask=0o022)
@@ -93,6 +94,121 @@ def test_writing_flag_is_persisted_until_the_writers_close(ops):
     run(go)
 
 
+def test_create_write_close_writes_the_index_twice(ops):
+    """A create commits its row and its directory's times in one transaction; the flush of
+    the only writer writes the size, times and the end of writing; the release that follows
+    finds all of it in the index and writes nothing."""
+    db = ops.index.db
+
+    async def go():
+        t = await ops.mkdir(ROOT_INODE, b"t", 0o755, ROOT)
+        commits = []
+        db.set_trace_callback(lambda sql: commits.append(sql) if sql.startswith(
+            ("COMMIT", "UPDATE", "INSERT", "DELETE")) else None)
+        fi, attrs = await ops.create(t.st_ino, b"f", 0o644, os.O_WRONLY, ROOT)
+        created = list(commits)
+        await ops.write(fi.fh, 0, b"hello")
+        await ops.flush(fi.fh)
+        flushed = len(commits)
+        changes = db.total_changes
+        await ops.release(fi.fh)
+        db.set_trace_callback(None)
+        return t.st_ino, attrs.st_ino, created, commits[flushed:], changes
+
+    parent, ino, created, after_flush, changes = run(go)
+    assert [c.split()[0] for c in created] == ["INSERT", "UPDATE", "COMMIT"]
+    assert after_flush == [] and db.total_changes == changes
+    node = ops.index.get(ino)
+    assert (node.size, node.writing) == (5, 0)
+    assert ops.index.get(parent).mtime_ns >= node.atime_ns  # (its creation time)
+
+
+def test_what_a_kill_would_leave_is_committed_before_each_step(ops, monkeypatch):
+    """Seen from another connection (what a daemon killed at that moment leaves): the new
+    row, marked as being written, is committed before the backing file exists; the flush's
+    size and end of writing are committed when the flush returns, so the release that is
+    not written any more loses nothing."""
+    other = sqlite3.connect(ops.index.path, check_same_thread=False)
+
+    def committed(ino):
+        return other.execute("SELECT size, writing FROM nodes WHERE inode=?",
+                             (ino,)).fetchone()
+
+    seen = []
+    real_create = ops.store.create
+
+    def create(rel, *a):
+        seen.append(other.execute("SELECT inode, writing FROM nodes WHERE name=?",
+                                  (rel.rsplit(b"/", 1)[-1],)).fetchone())
+        return real_create(rel, *a)
+
+    monkeypatch.setattr(ops.store, "create", create)
+
+    async def go():
+        t = await ops.mkdir(ROOT_INODE, b"t", 0o755, ROOT)
+        fi, attrs = await ops.create(t.st_ino, b"f", 0o644, os.O_WRONLY, ROOT)
+        await ops.write(fi.fh, 0, b"hello")
+        assert committed(attrs.st_ino) == (0, 1)
+        await ops.flush(fi.fh)
+        after_flush = committed(attrs.st_ino)
+        await ops.release(fi.fh)
+        return attrs.st_ino, after_flush
+
+    ino, after_flush = run(go)
+    assert seen == [(ino, 1)]
+    assert after_flush == (5, 0) == committed(ino)
+    other.close()
+
+
+def test_a_failed_create_leaves_the_directory_as_it_was(ops, monkeypatch):
+    async def go():
+        t = await ops.mkdir(ROOT_INODE, b"t", 0o755, ROOT)
+        return t.st_ino
+
+    parent = run(go)
+    before = ops.index.get(parent)
+
+    def refuse(*a):
+        raise OSError(errno.ELOOP, "a link")
+
+    monkeypatch.setattr(ops.store, "create", refuse)
+    with pytest.raises(pyfuse3.FUSEError):
+        run(ops.create, parent, b"f", 0o644, os.O_WRONLY, ROOT)
+    after = ops.index.get(parent)
+    assert ops.index.lookup(parent, b"f") is None
+    assert (after.mtime_ns, after.ctime_ns) == (before.mtime_ns, before.ctime_ns)
+
+
+def test_an_open_access_time_is_batched(ops):
+    """An open's access time is shown at once (getattr) and reaches the index with the next
+    batch of access times, not one commit per open; times set explicitly win over it."""
+    ino = make_file(ops, b"x")
+    old = ops.index.get(ino).atime_ns
+
+    async def go():
+        fi = await ops.open(ino, os.O_RDONLY, ROOT)
+        await ops.release(fi.fh)
+        return (await ops.getattr(ino, ROOT)).st_atime_ns
+
+    shown = run(go)
+    assert shown > old and ops.index.get(ino).atime_ns == old
+    ops.residency.flush_atimes()
+    assert ops.index.get(ino).atime_ns == shown and ops.residency.file_atimes == {}
+
+    async def utime():
+        fi = await ops.open(ino, os.O_RDONLY, ROOT)
+        await ops.release(fi.fh)
+        attr = pyfuse3.EntryAttributes()
+        attr.st_atime_ns, attr.st_mtime_ns = 7_000_000_000, 8_000_000_000
+        fields = SimpleNamespace(update_size=False, update_mode=False, update_uid=False,
+                                 update_gid=False, update_atime=True, update_mtime=True)
+        return (await ops.setattr(ino, attr, fields, None, ROOT)).st_atime_ns
+
+    assert run(utime) == 7_000_000_000
+    ops.residency.flush_atimes()
+    assert ops.index.get(ino).atime_ns == 7_000_000_000
+
+
 def test_unexpected_errors_become_eio_with_traceback(ops, caplog, monkeypatch):
     ino = make_file(ops, b"x")
 
@@ -108,24 +224,79 @@ def test_unexpected_errors_become_eio_with_traceback(ops, caplog, monkeypatch):
 
 
 def test_blocking_io_runs_off_the_event_loop(ops, monkeypatch):
+    """Opens that may touch the disk run in worker threads: every open for writing, and a
+    read whose path the kernel has not cached (RESOLVE_CACHED said EAGAIN); closes run in
+    the closer's thread."""
     ino = make_file(ops, b"x")
-    threads = []
-    real_open = ops.store.open
+    threads, closes = [], []
+    real_open, real_close = ops.store.open, os.close
 
     def spy(rel, flags):
         threads.append(threading.current_thread())
         return real_open(rel, flags)
 
+    def spy_close(fd):
+        closes.append(threading.current_thread())
+        real_close(fd)
+
     monkeypatch.setattr(ops.store, "open", spy)
+    monkeypatch.setattr(backing, "open_cached", lambda *a: None)  # as if nothing is cached
 
     async def go():
-        loop_thread = threading.current_thread()
-        fi = await ops.open(ino, os.O_RDONLY, ROOT)
-        await ops.release(fi.fh)
-        return loop_thread
+        for flags in (os.O_RDONLY, os.O_WRONLY):
+            fi = await ops.open(ino, flags, ROOT)
+            await ops.release(fi.fh)
+        return threading.current_thread()
 
+    monkeypatch.setattr(os, "close", spy_close)
     loop_thread = run(go)
-    assert threads and all(t is not loop_thread for t in threads)
+    assert closer.drain(10)
+    assert len(threads) == 2 and all(t is not loop_thread for t in threads)
+    assert all(t is not loop_thread for t in closes)
+    assert sum(t.name == "kvfs-closer" for t in closes) == 2
+
+
+def test_a_cached_read_only_open_needs_no_thread(ops, monkeypatch):
+    """A read-only open of a file whose path is in the kernel's dentry cache opens on the
+    event loop (no worker thread's round trip); its fd is a blocking one of that file."""
+    ino = make_file(ops, b"cached")
+    monkeypatch.setattr(ops.store, "open", lambda *a: pytest.fail("opened in a thread"))
+
+    async def go():
+        fi = await ops.open(ino, os.O_RDONLY, ROOT)
+        fd = ops.handles[fi.fh].fd
+        blocking = os.get_blocking(fd)
+        data = await ops.read(fi.fh, 0, 100)
+        await ops.release(fi.fh)
+        return data, blocking
+
+    data, blocking = run(go)
+    assert data == b"cached" and blocking
+
+
+def test_open_cached_refuses_what_open_refuses(tmp_path):
+    """The event loop's open (RESOLVE_CACHED) opens nothing `BackingStore.open` would refuse:
+    a link (leaf or on the way), a FIFO (without blocking), a directory, a hard-linked file,
+    an open for writing; each is None, for the worker thread to refuse with its reason."""
+    root = tmp_path / "b"
+    (root / "t" / "d").mkdir(parents=True)
+    (root / "t" / "d" / "f").write_bytes(b"x")
+    (root / "t" / "ln").symlink_to(root / "t" / "d" / "f")
+    (root / "t" / "dl").symlink_to(root / "t" / "d")
+    os.mkfifo(root / "t" / "fifo")
+    (root / "t" / "h1").write_bytes(b"y")
+    os.link(root / "t" / "h1", root / "t" / "h2")
+    store = BackingStore(str(root))
+    os.stat(root / "t" / "d" / "f")  # (in the dentry cache)
+    fd = store.open_cached(b"t/d/f", os.O_RDONLY)
+    assert fd is not None and os.read(fd, 10) == b"x" and os.get_blocking(fd)
+    os.close(fd)
+    for rel in (b"t/ln", b"t/dl/f", b"t/fifo", b"t/d", b"t/h1", b"t/missing", b"t/../t/d/f"):
+        assert store.open_cached(rel, os.O_RDONLY) is None, rel
+    assert store.open_cached(b"t/d/f", os.O_WRONLY) is None
+    assert store.open_cached(b"t/d/f", os.O_RDWR) is None
+    assert closer.drain(10)
+    store.close()
 
 
 def test_huge_truncate(ops):
