@@ -43,6 +43,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.mount)
 
 
+def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
+    """Flip bits of one byte of a file in place (a damaged block file)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
 def kvfs(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:
     """``kvfs ARGS``; a failure (check) fails the test with the command's output."""
     res = run_kvfs(*args, check=False, **kw)

@@ -20,6 +20,7 @@ import kvfs
 from kvfs import blockfile, control, hashing, transport
 from kvfs.client import CacheFull, KVCache, SpecMismatch
 
+from .conftest import flip_byte
 from .conftest import kvfs as kvfs_cli
 
 SPEC = kvfs.ModelSpec(model="org/tiny", revision="r1", kv_dtype="bfloat16", block_size=4,
@@ -243,11 +244,7 @@ def test_corrupt_block_is_a_miss_and_quarantined(mount, cache):
     kv = kv_of(hashes)
     cache.save(hashes, kv)
     path = cache.path(hashes[2])
-    with open(path, "r+b") as f:  # flip one payload byte in the backing file
-        f.seek(4096 + 100)
-        b = f.read(1)
-        f.seek(4096 + 100)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(path, 4096 + 100, 0x10)  # one payload byte in the backing file
     out = empty(4)
     assert cache.load(hashes, out) == 2
     assert torch.equal(out[:2], kv[:2])
@@ -315,15 +312,8 @@ def test_the_c_reads_load_what_the_python_reads_load(mount, tenant, verify):
     the same misses zeroed and reported, whichever reads them."""
     pytest.importorskip("kvfs._fastread")
 
-    def flip(p: str, at: int) -> None:
-        with open(p, "r+b") as f:
-            f.seek(at)
-            b = f.read(1)
-            f.seek(at)
-            f.write(bytes([b[0] ^ 0x01]))
-
-    damages = {"sound": lambda p: None, "payload": lambda p: flip(p, 4096 + 77),
-               "magic": lambda p: flip(p, 0), "gone": os.unlink,
+    damages = {"sound": lambda p: None, "payload": lambda p: flip_byte(p, 4096 + 77, 0x01),
+               "magic": lambda p: flip_byte(p, 0, 0x01), "gone": os.unlink,
                "longer": lambda p: open(p, "ab").write(b"\0"),
                "cut": lambda p: os.truncate(p, 4096 + 10)}
     seen = {}

@@ -21,6 +21,7 @@ from kvfs import blockfile as bf
 from kvfs import devsum, transport
 from kvfs.client import KVCache
 
+from .conftest import flip_byte
 from .conftest import kvfs as kvfs_cli
 
 SPEC = kvfs.ModelSpec(model="org/tiny", revision="r1", kv_dtype="bfloat16", block_size=4,
@@ -196,14 +197,6 @@ def test_version_2_headers_are_checked_as_strictly():
 # -- loads through a device transport -----------------------------------------------------------
 
 
-def corrupt(path: str, offset: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        b = f.read(1)
-        f.seek(offset)
-        f.write(bytes([b[0] ^ 0x20]))
-
-
 def test_device_saves_write_version_2_and_loads_verify_the_sums(mount, tenant):
     with device_cache(mount, tenant) as dev, KVCache.open(mount.mnt, tenant=tenant,
                                                           spec=SPEC) as host:
@@ -242,7 +235,7 @@ def test_a_corrupt_byte_is_a_miss_on_the_device_as_on_the_host(mount, tenant, wh
         dev.save(hashes, kv)
         off = {"first": 4096, "middle": 4096 + 300,
                "last": 4096 + SPEC.block_payload_bytes - 1}[where]
-        corrupt(dev.path(hashes[2]), off)
+        flip_byte(dev.path(hashes[2]), off, 0x20)
         # The host's verdict first (without letting it report: read the file as it does).
         with open(host.path(hashes[2]), "rb") as f:
             with pytest.raises(bf.BlockFormatError, match="checksum"):
@@ -267,7 +260,7 @@ def test_version_1_blocks_load_through_the_device_path(mount, tenant):
             assert bf.decode_header(f.read(4096)).version == 1
         out = torch.zeros_like(kv)
         assert dev.load(hashes, out) == 3 and torch.equal(out, kv)
-        corrupt(dev.path(hashes[1]), 4096 + 17)
+        flip_byte(dev.path(hashes[1]), 4096 + 17, 0x20)
         out = torch.full_like(kv, 7.0)
         assert dev.load(hashes, out) == 1 and torch.count_nonzero(out[1]) == 0
 
@@ -294,7 +287,7 @@ def test_paged_and_layerwise_loads_verify_on_the_device(mount, tenant):
                 assert torch.equal(dst[layer][p], kv[i, layer])
         out = torch.zeros_like(kv)
         assert dev.load_async(hashes, out).wait() == 4 and torch.equal(out, kv)
-        corrupt(dev.path(hashes[3]), 4096 + 4096 + 5)  # layer 1 of block 3
+        flip_byte(dev.path(hashes[3]), 4096 + 4096 + 5, 0x20)  # layer 1 of block 3
         dst = [torch.full_like(t, 7.0) for t in pages]
         assert dev.load_paged(hashes, dst, [1, 2, 3, 0]) == 3
         assert all(torch.count_nonzero(d[0]) == 0 for d in dst)
@@ -307,7 +300,7 @@ def test_layerwise_device_check_catches_corruption(mount, tenant):
         hashes = dev.block_hashes(list(range(5 * SPEC.block_size)), extra="lw")
         kv = kv_for(5, seed=9)
         dev.save(hashes, kv)
-        corrupt(dev.path(hashes[3]), 4096 + SPEC.block_payload_bytes - 2)
+        flip_byte(dev.path(hashes[3]), 4096 + SPEC.block_payload_bytes - 2, 0x20)
         out = torch.full_like(kv, 7.0)
         h = dev.load_async(hashes, out)
         assert h.wait() == 3
