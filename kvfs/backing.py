@@ -205,6 +205,12 @@ def open_beneath(dirfd: int, rel: bytes, flags: int, mode: int = 0,
             os.close(cur)
 
 
+#: renameat2(2) flags (`os.rename` has none), and the "current directory" fd for paths.
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+AT_FDCWD = -100
+
+
 def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int = 0) -> None:
     """renameat2(2) between two directory fds (RENAME_NOREPLACE / RENAME_EXCHANGE)."""
     if flags == 0:

@@ -2,8 +2,8 @@
 
 Every function here blocks (it is file I/O); the daemon calls them in worker threads
 (`Tree.io`), never on the event-loop thread; two exceptions are built not to block:
-`open_cached` (a read-only open of a path the kernel has cached whole: no I/O) and `Closer`
-(closes handed to a thread of its own). Paths are bytes relative to the
+`open_cached` (a read-only open of a path the kernel has cached whole: no I/O) and closes,
+handed to `kvfs.closer`'s thread. Paths are bytes relative to the
 backing root. The daemon runs as root, so ownership and modes are mirrored onto the backing
 tree: the kernel enforces tenant isolation in the backing directory exactly as in the mount.
 
@@ -18,40 +18,21 @@ chown, truncate, xattrs, reads) or relative to an fd of its verified parent dire
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import fcntl
 import logging
 import os
-import queue
 import stat
-import threading
 import time
 from collections.abc import Iterator
 
 from . import backing, blockfile
 from .capacity import Limits
+from .closer import closer
 from .config import ConfigError
 from .layout import PINS_MARK, QUARANTINE, STAGING, STATE_DIR, TEMP_PREFIX
 
 log = logging.getLogger(__name__)
-
-RENAME_NOREPLACE = 1
-RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def renameat2(old: bytes, new: bytes, flags: int) -> None:
-    """rename(2) with RENAME_NOREPLACE / RENAME_EXCHANGE, which `os.rename` lacks (for trees
-    only root writes: the lower tiers)."""
-    if flags == 0:
-        os.rename(old, new)
-        return
-    if _libc.renameat2(_AT_FDCWD, old, _AT_FDCWD, new, ctypes.c_uint(flags)) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err), old)
-
 
 _KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
 
@@ -59,54 +40,6 @@ _KINDS = {stat.S_IFREG: "a regular file", stat.S_IFDIR: "a directory"}
 class Refused(OSError):
     """A backing entry is not what the index says it is (a FIFO, a device, a directory
     where a file should be): the operation is refused and nothing is changed."""
-
-
-class Closer:
-    """Closes the fds of the daemon's handles in a thread of its own, in order, while the
-    event loop goes on: a `release` hands its fd over and answers at once. A close can
-    wait for the disk (the last close of an unlinked file frees its blocks; ext4 starts
-    write-back at the close of a file truncated and rewritten), so it never runs on the
-    event loop; and it needs no answer, so it costs a queue entry, not a worker thread's
-    round trip through the scheduler (~70-130 us of CPU each on the 2-core VM, against
-    ~10 us). One thread for the process, started at first use."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[int | threading.Event] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._start = threading.Lock()
-
-    def close(self, fd: int) -> None:
-        """Close `fd` soon, in the closer's thread (errors are logged)."""
-        if self._thread is None:
-            with self._start:
-                if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="kvfs-closer",
-                                                    daemon=True)
-                    self._thread.start()
-        self._queue.put(fd)
-
-    def drain(self, timeout: float | None = None) -> bool:
-        """Wait until every fd handed over so far is closed (False: timed out)."""
-        if self._thread is None:
-            return True
-        done = threading.Event()
-        self._queue.put(done)
-        return done.wait(timeout)
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            try:
-                os.close(item)
-            except OSError as exc:
-                log.warning("closing a backing file's fd %d failed: %s", item, exc)
-
-
-#: The process's one closer (every BackingStore's handles).
-closer = Closer()
 
 
 def _split(rel: bytes) -> tuple[bytes, bytes]:
@@ -275,7 +208,7 @@ class BackingStore:
                 return fd
         except OSError:
             pass
-        closer.close(fd)  # (not on the event loop: see Closer)
+        closer.close(fd)  # (not on the event loop: see kvfs.closer)
         return None
 
     def create(self, rel: bytes, flags: int, mode: int, uid: int, gid: int) -> int:
@@ -489,7 +422,7 @@ class BackingStore:
         try:
             dest = rel.replace(b"/", b"%")[-200:] + b".%d" % time.time_ns()
             with self.parent(rel) as (dfd, name):
-                backing.renameat2(dfd, name, qfd, dest, RENAME_NOREPLACE)
+                backing.renameat2(dfd, name, qfd, dest, backing.RENAME_NOREPLACE)
         finally:
             os.close(qfd)
         return os.path.join(self.state_dir, QUARANTINE, dest)

@@ -48,13 +48,14 @@ from pyfuse3 import FUSEError
 from . import virtual
 from .audit import Audit
 from .capacity import Budget
+from .closer import closer
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import OpenFile
 from .policy import DEFAULT_POLICY
 from .residency import Residency
 from .settings import DEFAULTS
 from .stats import Key, Stats
-from .store import BackingStore, closer
+from .store import BackingStore
 from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
@@ -237,7 +238,7 @@ class Tree:
     @staticmethod
     def close_later(fd: int) -> None:
         """Close a handle's backing fd off the event loop, without waiting for it
-        (`store.Closer`)."""
+        (`kvfs.closer`)."""
         closer.close(fd)
 
     # -- paths ----------------------------------------------------------------------------

@@ -15,9 +15,10 @@ import pytest
 import trio
 
 from kvfs import backing, fsck
+from kvfs.closer import closer
 from kvfs.fs import MountInfo, Operations
 from kvfs.index import ORPHAN_PARENT, ROOT_INODE, Index
-from kvfs.store import BackingStore, closer
+from kvfs.store import BackingStore
 
 ROOT = SimpleNamespace(uid=0, gid=0, pid=1, umask=0o022)
 USER = SimpleNamespace(uid=1000, gid=1000, pid=2, umask=0o022)

@@ -9,7 +9,7 @@ import os
 import stat
 from collections.abc import Iterator
 
-from ..store import RENAME_NOREPLACE, renameat2
+from ..backing import AT_FDCWD, RENAME_NOREPLACE, renameat2
 from .base import TMP_PREFIX, Tier, TierError, check_key, temp_beside, unlink_quietly
 
 _COPY_CHUNK = 16 << 20
@@ -167,7 +167,7 @@ def _publish(tmp: str, dest: str) -> bool:
     """Move `tmp` to `dest` unless `dest` exists; exactly one of concurrent writers wins.
     renameat2(RENAME_NOREPLACE) where the file system has it, link+unlink (NFS) otherwise."""
     try:
-        renameat2(tmp.encode(), dest.encode(), RENAME_NOREPLACE)
+        renameat2(AT_FDCWD, tmp.encode(), AT_FDCWD, dest.encode(), RENAME_NOREPLACE)
         return True
     except FileExistsError:
         return False
