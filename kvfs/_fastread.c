@@ -5,9 +5,10 @@
  * header, payload and a probe past its end with one preadv (in pieces, each hashed right after
  * it lands, for payloads over ONE_READ_BYTES), close it, check the header against the one the
  * reader's model spec expects, and check the payload's xxh3_64 against the header's. In Python
- * that is a few microseconds of interpreter work per block between the system calls, each
- * releasing and retaking the GIL; at 1 MiB blocks the loads measured 0.85-0.90x of raw
- * threaded preadv (plus one xxh3 pass) for it (docs/architecture.md, "The direct path").
+ * that is 20-30 us of interpreter work per block between the system calls, each releasing
+ * and retaking the GIL; at 1 MiB blocks the loads measured 0.87-0.92x of raw threaded preadv
+ * plus one xxh3 pass for it, against 1.00x with this module (kvfs bench restore, 2-core VM,
+ * quiet; docs/bench/restore.notes.md).
  * Here one call does all of it for every block a thread takes, with the GIL released.
  *
  * It is a shortcut, never a looser rule: a block it does not accept outright (absent, an I/O
@@ -282,7 +283,8 @@ read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
          * cache (RWF_NOWAIT comes back short) and the rest in one transfer, hashed after: one
          * large request for the disk, as raw preadv makes. (Reading that rest in 1-4 MiB
          * transfers hashed as they land, with or without POSIX_FADV_WILLNEED, measured no
-         * faster on a virtio disk: 78-87 ms against 81 for 64 MiB, raw 66-74.) */
+         * faster: 78-87 ms against 81 for read-then-hash of a cold 64 MiB file, raw read
+         * 66-74 ms; one thread, 2-core VM, ext4 on a virtio disk, medians of 11.) */
         size_t pieces = (payload + HASH_PIECE - 1) / HASH_PIECE;
         for (size_t k = 0; k < pieces; k++) {
             size_t lo = k * HASH_PIECE, hi = lo + HASH_PIECE < payload ? lo + HASH_PIECE : payload;

@@ -243,8 +243,14 @@ class Loading(Layouts):
                 if i <= prefix.end:  # not past a block that failed
                     outcomes[i] = read(i, hashes[i], dests(i), prefix, scratch)
 
-        helpers = min(self._threads, len(hashes),
-                      len(hashes) * self._file_bytes // THREAD_BYTES) - 1
+        self._on_threads(work, len(hashes))
+        self._verify_on_device(outcomes, tensors_of, batch)
+        return self._finish_load(hashes, outcomes, tensors_of)
+
+    def _on_threads(self, work: Callable[[], None], n: int) -> None:
+        """Run ``work`` on the calling thread and on as many pool threads as ``n`` blocks
+        justify (:data:`THREAD_BYTES`; at most ``threads`` in all), until each returns."""
+        helpers = min(self._threads, n, n * self._file_bytes // THREAD_BYTES) - 1
         futures = [self._pool.submit(work) for _ in range(max(0, helpers))]
         try:
             work()
@@ -252,8 +258,6 @@ class Loading(Layouts):
             wait(futures)
         for f in futures:
             f.result()
-        self._verify_on_device(outcomes, tensors_of, batch)
-        return self._finish_load(hashes, outcomes, tensors_of)
 
     def _load_native(self, hashes: list[bytes],
                      tensors_of: Callable[[int], list[torch.Tensor]],
@@ -267,14 +271,7 @@ class Loading(Layouts):
         reads = _fastread.Reads([self.path(h) for h in hashes],
                                 [views_of(i) for i in range(n)], hashes, want, *check.expected,
                                 self.spec.block_payload_bytes, check.file_size)
-        helpers = min(self._threads, n, n * self._file_bytes // THREAD_BYTES) - 1
-        futures = [self._pool.submit(reads.run) for _ in range(max(0, helpers))]
-        try:
-            reads.run()
-        finally:
-            wait(futures)
-        for f in futures:
-            f.result()
+        self._on_threads(reads.run, n)
         prefix = _Prefix(n)
         outcomes: list[_Outcome | None] = []
         for i, (status, total, err) in enumerate(reads.results()):
