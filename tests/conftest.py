@@ -12,6 +12,8 @@ own (their `pytestmark`); `pytest -m "not mount"` runs the unit tests alone, in 
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 import os
 import shutil
 import subprocess
@@ -50,6 +52,55 @@ def flip_byte(path: str | os.PathLike, offset: int, mask: int = 0xFF) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ mask]))
+
+
+def resident_pages(path: str | os.PathLike) -> int:
+    """How many of a file's pages are in the page cache now (mincore over a mapping, which
+    faults nothing in)."""
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap {path}")
+        try:
+            vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+            if libc.mincore(addr, size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore {path}")
+            return sum(b & 1 for b in vec)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def drop_cached(path: str | os.PathLike, attempts: int = 50) -> None:
+    """Evict a file's pages from the page cache (written back first), and check they are gone:
+    the next read is cold. ``POSIX_FADV_DONTNEED`` skips pages the kernel still holds a
+    reference to (a CPU's pending LRU batch, a page under writeback), so one call does not
+    always drop them all; it is repeated until none is left, and failing that the test fails
+    here, not in an assertion about the read."""
+    for _ in range(attempts):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        left = resident_pages(path)
+        if left == 0:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{path}: {left} pages still in the page cache after "
+                         f"{attempts} drops")
 
 
 def kvfs(*args: str, check: bool = True, **kw) -> subprocess.CompletedProcess:

@@ -20,7 +20,7 @@ import kvfs
 from kvfs import blockfile, control, hashing, transport
 from kvfs.client import CacheFull, KVCache, SpecMismatch
 
-from .conftest import flip_byte
+from .conftest import drop_cached, flip_byte
 from .conftest import kvfs as kvfs_cli
 
 SPEC = kvfs.ModelSpec(model="org/tiny", revision="r1", kv_dtype="bfloat16", block_size=4,
@@ -795,12 +795,7 @@ def test_a_cold_block_is_read_in_one_transfer(tmp_path, monkeypatch, views):
                                       True)
         return n, csum, bytes(header) + bytes(body)
 
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # cold
-    finally:
-        os.close(fd)
+    drop_cached(path)  # cold
     calls.clear()
     n, csum, got = read()
     assert (n, csum, got) == (len(data) + pad, blockfile.payload_checksum(data[4096:]), data)

@@ -20,6 +20,8 @@ import xxhash
 import kvfs
 from kvfs import blockfile, transport
 
+from .conftest import drop_cached
+
 try:
     from kvfs import _fastread as fastread
 except ImportError:
@@ -219,16 +221,6 @@ HUGE = kvfs.ModelSpec(model="org/huge", revision="r1", kv_dtype="bfloat16", bloc
                       num_layers=3, num_kv_heads=8, head_dim=6001)
 
 
-def _drop(path: str) -> None:
-    """Evict a file's pages from the page cache (written back first): the next read is cold."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("spec", [BIG, HUGE], ids=["1 MiB", "9 MiB"])
 @pytest.mark.parametrize("pieces", [1, 3])
 def test_cold_blocks_get_the_same_verdicts(tmp_path: Path, spec, pieces):
@@ -244,9 +236,9 @@ def test_cold_blocks_get_the_same_verdicts(tmp_path: Path, spec, pieces):
     for name, data in cases.items():
         path = str(tmp_path / "block.kv")
         Path(path).write_bytes(data)
-        _drop(path)
+        drop_cached(path)
         expect = _python_verdict(path, h, check, _dests(spec, pieces), True)
-        _drop(path)
+        drop_cached(path)
         dests = _dests(spec, pieces)
         reads = fastread.Reads([path], [dests], [h], b"\1", *check.expected, n,
                                check.file_size)
