@@ -199,7 +199,17 @@ def test_bench_door_writes_a_record(tmp_path):
     assert {"vllm: write", "sglang: warm read", "lmcache-direct: write"} <= figures
     assert all(r["ratio"] > 0 for r in record["rows"] if r.get("ratio") is not None)
     small = record["variants"]["default"]["patterns"]["small"]
-    assert small["files"] == 20 and small["requests_per_file"]["create"] == 1
+    assert small["files"] == 20 and small["write_per_file"]["requests"]["create"] == 1
+    assert small["write_per_file"]["bytes"] == 128 << 10  # each file's bytes crossed once
+    assert small["warm_per_file"]["requests"].get("open") == 1
+    # Every figure but the O_DIRECT patterns' has a floor: the plain time plus a round trip
+    # per request waited for and a copy per byte crossed, so a create costs more than plain.
+    rows = {r["figure"]: r for r in record["rows"]}
+    creates = rows["small: create+write+close per file"]
+    assert creates["floor"] > 1 and isinstance(creates["reachable"], bool)
+    assert "requests waited for" in creates["note"]
+    assert 0 < rows["sglang: write"]["floor"] < 1 and 0 < rows["small: warm read"]["floor"] < 1
+    assert "floor" not in rows["lmcache-direct: write"]
     assert not record["problems"]
     bad = kvfs("bench", "door", "--patterns", "nope", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "nope" in bad.stderr
