@@ -173,6 +173,11 @@ def _node(row: tuple) -> Node:
     return Node(*row)
 
 
+#: Write-ahead log pages (4 KiB) at which a commit checkpoints on its own, if the background
+#: checkpoints (`Index.checkpoint`) have not let the log start over.
+WAL_BACKSTOP_PAGES = 10_000
+
+
 class Index:
     """Typed access to the index database."""
 
@@ -185,6 +190,13 @@ class Index:
         # this cache misses the kernel's page cache mostly holds.
         self.db.execute("PRAGMA cache_size=-16384")
         self.db.execute("PRAGMA temp_store=MEMORY")
+        # Checkpoints (the write-ahead log copied into the database, which is then synced)
+        # run in a worker thread (`checkpoint`, once a second), not inside whichever commit
+        # passes SQLite's 1,000 pages on the event loop; this backstop only bounds the log
+        # under writes that never pause (a commit that finds it this long checkpoints).
+        self.db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
+        self.db.execute("PRAGMA journal_size_limit=16777216")  # the log's file, once reset
+        self._checkpointer: sqlite3.Connection | None = None
         create_tables(self.db)
         if self.get_meta("schema_version") is None:
             self.set_meta("schema_version", str(SCHEMA_VERSION))
@@ -200,7 +212,21 @@ class Index:
             )
 
     def close(self) -> None:
+        if self._checkpointer is not None:
+            self._checkpointer.close()
         self.db.close()
+
+    def checkpoint(self) -> tuple[int, int]:
+        """Thread: copy the write-ahead log into the database and sync it, on a connection of
+        its own, without waiting for the event loop's reads and commits (SQLite's PASSIVE
+        checkpoint), so that they never pay for it. One caller at a time. Returns the log's
+        pages and how many of them are in the database now."""
+        if self._checkpointer is None:
+            self._checkpointer = sqlite3.connect(self.path, isolation_level=None,
+                                                 check_same_thread=False)
+            self._checkpointer.execute("PRAGMA synchronous=NORMAL")
+        _, log, done = self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        return log, done
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:

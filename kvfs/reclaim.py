@@ -39,7 +39,8 @@ class Reclaim:
     # -- background tasks -----------------------------------------------------------------
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Start the background tasks: eviction, retention, writing access times."""
+        """Start the background tasks: eviction, retention, writing access times (and
+        checkpointing the index)."""
         self._wanted = trio.Event()
         nursery.start_soon(self._evict_loop)
         nursery.start_soon(self._retention_loop)
@@ -78,12 +79,18 @@ class Reclaim:
                 log.debug("background eviction freed %d of %d bytes", freed, need)
 
     async def _atime_loop(self) -> None:
+        """Once a second: the batched access times, then the index's checkpoint (off the
+        event loop, see Index.checkpoint)."""
         while True:
             await trio.sleep(ATIME_FLUSH_INTERVAL)
             try:
                 self.residency.flush_atimes()
             except Exception:
                 log.exception("writing access times failed")
+            try:
+                await self.tree.io(self.index.checkpoint)
+            except Exception:
+                log.exception("checkpointing the index failed")
 
     async def _retention_loop(self) -> None:
         while True:

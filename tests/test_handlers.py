@@ -17,7 +17,7 @@ import trio
 from kvfs import backing, fsck
 from kvfs.closer import closer
 from kvfs.fs import MountInfo, Operations
-from kvfs.index import ORPHAN_PARENT, ROOT_INODE, Index
+from kvfs.index import ORPHAN_PARENT, ROOT_INODE, WAL_BACKSTOP_PAGES, Index
 from kvfs.store import BackingStore
 
 ROOT = SimpleNamespace(uid=0, gid=0, pid=1, umask=0o022)
@@ -882,3 +882,35 @@ def test_a_listing_leaves_a_file_being_written_alone(adopted):
         assert ops.index.get(f.st_ino).size == size + 4
 
     run(go)
+
+
+def test_the_index_checkpoints_in_a_thread_not_in_the_commits(tmp_path):
+    """The index's write-ahead log is copied into the database by `Index.checkpoint` (the
+    background's thread), not by the commit that passes SQLite's default 1,000 pages (on the
+    event loop): commits let the log grow past that; a checkpoint in another thread takes it
+    all and lets the next commit start it over; the backstop still bounds a log that no
+    checkpoint reaches."""
+    path = str(tmp_path / "index.db")
+    index = Index(path)
+    wal = path + "-wal"
+
+    def checkpoint() -> tuple[int, int]:
+        out: list[tuple[int, int]] = []
+        t = threading.Thread(target=lambda: out.append(index.checkpoint()))
+        t.start()
+        t.join()
+        return out[0]
+
+    try:
+        for i in range(3000):  # about 2 log pages each
+            index.set_meta(f"k{i}", "v" * 100)
+        log, done = checkpoint()
+        assert log > 1000 and done == log, (log, done)  # no commit checkpointed on its own
+        index.set_meta("after", "1")
+        assert checkpoint()[0] <= 4  # the log started over: only the commit since
+        for i in range(3 * WAL_BACKSTOP_PAGES // 2):  # no checkpoint at all: the backstop
+            index.set_meta(f"j{i}", "v" * 100)
+        assert checkpoint()[0] < WAL_BACKSTOP_PAGES
+    finally:
+        index.close()
+    assert not os.path.exists(wal)  # closed cleanly: the log folded in
