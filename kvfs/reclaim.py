@@ -44,7 +44,7 @@ class Reclaim:
         self._wanted = trio.Event()
         nursery.start_soon(self._evict_loop)
         nursery.start_soon(self._retention_loop)
-        nursery.start_soon(self._atime_loop)
+        nursery.start_soon(self._index_loop)
 
     def wake(self) -> None:
         if self._wanted is not None:
@@ -78,7 +78,7 @@ class Reclaim:
                     continue
                 log.debug("background eviction freed %d of %d bytes", freed, need)
 
-    async def _atime_loop(self) -> None:
+    async def _index_loop(self) -> None:
         """Once a second: the batched access times, then the index's checkpoint (off the
         event loop, see Index.checkpoint)."""
         while True:

@@ -41,10 +41,10 @@ buffer, and the daemon's `pwrite` is the plain side's write; a `read` the daemon
 `pread` is the plain side's read, then its reply into the kernel's pages, those pages into the
 reader's buffer). So floor time = plain time + files x (waited requests x round trip) +
 2 x bytes crossed x the time of one `memcpy` of them: a lower bound on the mount's time, and
-an upper bound on its ratio. A figure whose floor
-misses its target is out of reach at this round trip, whatever the daemon does; the rest of
-its gap is the daemon's own work. O_DIRECT patterns get no floor: the plain side's I/O goes to
-the disk, the daemon's to the backing file's page cache (`O_DIRECT` is not passed on).
+an upper bound on its ratio. A figure whose floor misses its target is out of reach at this
+round trip, whatever the daemon does; the rest of its gap is the daemon's own work. O_DIRECT
+patterns get no floor: the plain side's I/O goes to the disk, the daemon's to the backing
+file's page cache (`O_DIRECT` is not passed on).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def add_arguments(parser: Any) -> None:
 
 class Side:
     """The mount side of a run: a :class:`kvfs.bench.harness.Mount` with one tenant, its
-    daemon's request counters (stats.json `requests`) and CPU time."""
+    daemon's counters: requests by kind, bytes through the mount, CPU time."""
 
     def __init__(self, base: str, extra: list[str]) -> None:
         self.mount = Mount.under(base, extra)
@@ -128,19 +128,15 @@ class Side:
         self.root = str(self.mount.add_tenant(TENANT))
         self.pid = self.mount.pid()
         # What reading the counters costs in requests itself (subtracted from every delta).
-        a = self.requests()
-        self.own = {k: v - a.get(k, 0) for k, v in self.requests().items()}
-
-    def requests(self) -> dict[str, int]:
-        """The FUSE requests the daemon has served, by kind ({} from a daemon that does
-        not count them)."""
-        return dict(self.mount.stats().get("requests") or {})
+        a = self.counters()["requests"]
+        self.own = {k: v - a.get(k, 0) for k, v in self.counters()["requests"].items()}
 
     def cpu_s(self) -> float:
         return cpu_ticks(self.pid) / os.sysconf("SC_CLK_TCK")
 
     def counters(self) -> dict[str, Any]:
-        """Requests by kind, bytes read and written through the mount, CPU seconds."""
+        """Requests by kind (stats.json `requests`; {} from a daemon that does not count
+        them), bytes read and written through the mount, CPU seconds."""
         stats = self.mount.stats()
         moved = sum(f.get("read_bytes", 0) + f.get("write_bytes", 0)
                     for fps in (stats.get("tenants") or {}).values() for f in fps.values())
@@ -365,8 +361,8 @@ def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
     for p, runs in results.items():
         size = PATTERNS[p][0]
         count = file_count(p, args)
-        s: dict[str, Any] = {"files": count, "file_kib": size >> 10, "mib":
-                             round(size * count / MiB, 1),
+        s: dict[str, Any] = {"files": count, "file_kib": size >> 10,
+                             "mib": round(size * count / MiB, 1),
                              "direct": {k: runs[0][k]["direct"] for k in ("mount", "plain")}}
         for side in ("mount", "plain"):
             for what in ("write_s", "warm_s", "cold_s"):
@@ -394,11 +390,13 @@ def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
 
 
 #: Requests the caller does not wait for one round trip each: read-ahead `read`s overlap, a
-#: `write` or `read` is counted by its bytes (one copy), `release` and `forget` are not waited for.
+#: `write` or `read` is counted by its bytes (two copies), `release` and `forget` are not
+#: waited for.
 NOT_WAITED = frozenset({"read", "write", "release", "releasedir", "forget", "batch_forget"})
 
 
-def floor(s: dict[str, Any], what: str, rt_us: float, copy_us: float) -> dict[str, Any] | None:
+def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float
+          ) -> dict[str, Any] | None:
     """The least time the mount can take for a phase (`write`, `warm`, `cold`) at this round
     trip: the plain directory's time, plus per file one round trip per request waited for and
     two copies of each byte that crossed the channel. None without the figures, or for an
@@ -409,7 +407,7 @@ def floor(s: dict[str, Any], what: str, rt_us: float, copy_us: float) -> dict[st
         return None
     waited = sum(v for k, v in per["requests"].items() if k not in NOT_WAITED)
     copies = 2 * per["bytes"] / (s["file_kib"] << 10)  # two per byte crossed (module text)
-    floor_s = plain_s + s["files"] * (waited * rt_us + copies * copy_us) / 1e6
+    floor_s = plain_s + s["files"] * (waited * rt_us + copies * one_copy_us) / 1e6
     return {"seconds": round(floor_s, 4), "waited_requests": round(waited, 2),
             "copies": round(copies, 2)}
 
