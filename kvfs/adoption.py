@@ -243,23 +243,26 @@ class Adoption:
             residency.enter_block(node)
             tree.publish_shared(node)
 
-    def inspect_blocks(self, dpath: bytes, rels: list[bytes]
+    def inspect_blocks(self, dpath: bytes, rels: list[bytes], hashes: list[bytes]
                        ) -> list[tuple[Any, os.stat_result | None, bool]]:
-        """Thread: header and stat of each published file (or the error that refuses it),
-        and whether its parent block's file is there (placed, or being published by another
-        request at the same time)."""
+        """Thread: header and stat of each published file `rels[i]` (block `hashes[i]`), or
+        the error that refuses it, and whether its parent block's file is there (placed, or
+        being published by another request at the same time). A parent published earlier
+        in the same batch is not looked for: the batch's own verdict on it decides."""
         out: list[tuple[Any, os.stat_result | None, bool]] = []
-        for rel in rels:
+        earlier: set[bytes] = set()
+        for rel, h in zip(rels, hashes, strict=True):
             try:
                 # One verified fd: the header and the stat are of the same regular file.
                 head, st = self.tree.store.head(rel, blockfile.HEADER_SIZE)
                 hdr = blockfile.check_head(head, st.st_size)
                 p = hdr.parent_hash
-                parent = p == hashing.ROOT_PARENT or self._is_file(
-                    join(dpath, hashing.block_relpath(p).encode()))
+                parent = p == hashing.ROOT_PARENT or (p not in earlier and self._is_file(
+                    join(dpath, hashing.block_relpath(p).encode())))
                 out.append((hdr, st, parent))
             except (OSError, blockfile.BlockFormatError) as exc:
                 out.append((exc, None, False))
+            earlier.add(h)
         return out
 
     def _is_file(self, rel: bytes) -> bool:

@@ -70,9 +70,12 @@ class Commands:
         await adoption.listed_fans(dnode, hashes)
         dpath = tree.path(dnode)
         rels = [join(dpath, hashing.block_relpath(h).encode()) for h in hashes]
-        fans = sorted({h[:1].hex().encode() for h in hashes})
+        # Only fan-out directories the index does not hold yet are looked at on the disk.
+        wanted = {h[:1].hex().encode() for h in hashes}
+        fans = sorted(wanted - self.index.present(dnode.inode, wanted))
         fan_stats = await tree.io(adoption.fan_stats, dpath, fans, tenant=dnode.tenant)
-        inspected = await tree.io(adoption.inspect_blocks, dpath, rels, tenant=dnode.tenant)
+        inspected = await tree.io(adoption.inspect_blocks, dpath, rels, hashes,
+                                  tenant=dnode.tenant)
         fresh, dropped = [], []
         policy, now = self.residency.policy(dnode.tenant), time.time()
         placed: set[bytes] = set()
@@ -85,9 +88,8 @@ class Commands:
                     dropped.append(rel)
                 refused.add(h)
                 continue
-            fnode = self.index.lookup(dnode.inode, h[:1].hex().encode())
-            if fnode is not None and self.index.lookup(
-                    fnode.inode, hashing.block_filename(h).encode()) is not None:
+            if self.index.lookup_in(dnode.inode, h[:1].hex().encode(),
+                                    hashing.block_filename(h).encode()) is not None:
                 placed.add(h)
                 continue  # content-addressed: publishing twice changes nothing
             p = hdr.parent_hash
@@ -133,11 +135,11 @@ class Commands:
                     continue  # content-addressed: publishing twice changes nothing
                 node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
                                          uid=st.st_uid, gid=st.st_gid, size=st.st_size,
-                                         tenant=dnode.tenant, ns=dnode.ns)
+                                         tenant=dnode.tenant, ns=dnode.ns,
+                                         block_hash=hdr.block_hash,
+                                         parent_hash=hdr.parent_hash)
                 changed.add(fnode.inode)
-                self.index.update(node.inode, block_hash=hdr.block_hash,
-                                  parent_hash=hdr.parent_hash)
-                self.residency.enter_block(node)
+                self.residency.enter_block(node, current=True)
                 tree.publish_shared(node)
                 tree.stats.account(key, 1, st.st_size)
                 c.published_blocks += 1

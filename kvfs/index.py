@@ -21,7 +21,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -169,6 +169,10 @@ _COLUMNS = (
 )
 
 
+#: The columns of the table aliased ``c`` in a join.
+_CHILD_COLUMNS = ", ".join(f"c.{c.strip()}" for c in _COLUMNS.split(","))
+
+
 def _node(row: tuple) -> Node:
     return Node(*row)
 
@@ -288,6 +292,25 @@ class Index:
         ).fetchone()
         return _node(row) if row else None
 
+    def present(self, parent: int, names: Iterable[bytes]) -> set[bytes]:
+        """Which of ``names`` a directory holds."""
+        names = list(names)
+        out: set[bytes] = set()
+        for k in range(0, len(names), 500):  # SQLite's limit on a statement's parameters
+            part = names[k:k + 500]
+            out.update(r[0] for r in self.db.execute(
+                f"SELECT name FROM nodes WHERE parent=? AND name IN "
+                f"({','.join('?' * len(part))})", (parent, *part)))
+        return out
+
+    def lookup_in(self, parent: int, name: bytes, child: bytes) -> Node | None:
+        """``lookup(lookup(parent, name).inode, child)`` in one query."""
+        row = self.db.execute(
+            f"SELECT {_CHILD_COLUMNS} "
+            "FROM nodes AS d JOIN nodes AS c ON c.parent = d.inode "
+            "WHERE d.parent=? AND d.name=? AND c.name=?", (parent, name, child)).fetchone()
+        return _node(row) if row else None
+
     def children(self, parent: int, after: int = 0, limit: int = 1000) -> list[Node]:
         """Entries of a directory with inode > `after`, in inode order."""
         rows = self.db.execute(
@@ -334,15 +357,18 @@ class Index:
         atime_ns: int | None = None,
         mtime_ns: int | None = None,
         inode: int | None = None,
+        block_hash: bytes | None = None,
+        parent_hash: bytes | None = None,
     ) -> Node:
         now = time.time_ns()
         mtime = now if mtime_ns is None else mtime_ns
         atime = now if atime_ns is None else atime_ns
         cur = self.db.execute(
             "INSERT INTO nodes (inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, "
-            "ctime_ns, target, tenant, ns, writing) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            "ctime_ns, target, tenant, ns, writing, block_hash, parent_hash) "
+            "VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
             (inode, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant, ns,
-             writing),
+             writing, block_hash, parent_hash),
         )
         new = cur.lastrowid if inode is None else inode
         assert new is not None
@@ -354,7 +380,7 @@ class Index:
             self.db.execute("UPDATE nodes SET ns=? WHERE inode=?", (new, new))
             ns = new
         return Node(new, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant,
-                    ns, writing, None, None)
+                    ns, writing, block_hash, parent_hash)
 
     def insert_many(self, rows: list[tuple]) -> None:
         """Insert files in bulk (fsck): rows of (parent, name, mode, uid, gid, size, atime_ns,
@@ -371,6 +397,11 @@ class Index:
             return
         cols = ", ".join(f"{k}=?" for k in fields)
         self.db.execute(f"UPDATE nodes SET {cols} WHERE inode=?", (*fields.values(), inode))
+
+    def set_times(self, inodes: Iterable[int], now_ns: int) -> None:
+        """mtime and ctime of these nodes: ``now_ns``, in one statement."""
+        self.db.executemany("UPDATE nodes SET mtime_ns=?, ctime_ns=? WHERE inode=?",
+                            [(now_ns, now_ns, i) for i in inodes])
 
     def delete(self, inode: int) -> None:
         self.db.execute("DELETE FROM nodes WHERE inode=?", (inode,))

@@ -213,9 +213,12 @@ class Residency:
             policy.insert(node.inode, node.size, now=time.time())
             self.spill_to_cold()
 
-    def enter_block(self, node: Node) -> None:
-        """(Re)enter a complete block into its tenant's policy, linked to its parent."""
-        node = self.index.get(node.inode)
+    def enter_block(self, node: Node, *, current: bool = False) -> None:
+        """(Re)enter a complete block into its tenant's policy, linked to its parent
+        (``current``: ``node`` is the index's row as it is now, just inserted, not read
+        again)."""
+        if not current:
+            node = self.index.get(node.inode)
         policy = self.policy(node.tenant)
         policy.remove(node.inode)
         key = policy_key(node)

@@ -461,9 +461,7 @@ class Tree:
         """Entries were added to, removed from or renamed in these directories: their mtime
         and ctime are now, as the backing directories' are. Returns that time."""
         now = time.time_ns()
-        for inode in set(inodes):
-            if inode != ORPHAN_PARENT:
-                self.index.update(inode, mtime_ns=now, ctime_ns=now)
+        self.index.set_times({i for i in inodes if i != ORPHAN_PARENT}, now)
         return now
 
     def drop(self, node: Node) -> None:

@@ -13,9 +13,10 @@ tools/setup_engines.sh), through the engine's own classes (:mod:`kvfs.integratio
   directory, LocalDiskBackend on the mount, or the kvfs plugin on the mount; chunks of
   4 MiB (32 layers x 256 tokens x 2 heads x 64, bfloat16).
 
-``--total-mib`` (256) of pages or chunks are set once (timed: set throughput), then read
-back whole (get throughput), warm (page cache holding the files; median of ``--repeats``)
-and cold (``sync; echo 3 > /proc/sys/vm/drop_caches`` before each, root only). Each engine's
+``--total-mib`` (256) of pages or chunks are set (set throughput: median of ``--repeats``
+sets, each under new keys, after a ``sync``), then the last set's are read back whole (get
+throughput), warm (page cache holding the files; median of ``--repeats``) and cold
+(``sync; echo 3 > /proc/sys/vm/drop_caches`` before each, root only). Each engine's
 process runs its plans twice, on different data, and the second pass is the record (the first
 is kept in the record's ``results`` as ``first_pass``): the first warms the process for every
 backend alike, as a serving engine's long-lived process is warm. The ratios
@@ -26,8 +27,9 @@ block it writes, which the file backends do not: a fourth run with ``verify=samp
 block in 8 checksummed on reads; writes still checksum) shows what the verification costs.
 A fifth run, the engine's file backend + xxh3 on the plain filesystem, is the floor of any
 verified store: the file backend's same set and get plus one xxh3_64 pass over the same
-bytes in the calling thread (before the set, after the get); kvfs's ratio against it is the
-part of the gap that is kvfs's own, the rest is the hash. Beside each time, the CPU seconds
+bytes in the thread that does the I/O (HiCacheFile's is the calling thread; LocalDiskBackend's
+are its thread pools, each hashing a chunk right before writing it or right after reading
+it); kvfs's ratio against it is the part of the gap that is kvfs's own, the rest is the hash. Beside each time, the CPU seconds
 of the engine's process (all its threads; the kvfs daemon's are not included).
 Every read is checked (the pages' count); bytes are checked by the tests.
 """
@@ -88,7 +90,8 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
     else:
         geo = {"layers": 32, "chunk_size": 256, "heads": 2, "head_dim": 64,
                "dtype": "bfloat16", "model": "bench/model",
-               "cpu_gb": 2 * total_mib / 1024 + 0.25, "disk_gb": total_mib / 1024 + 1}
+               "cpu_gb": 2 * total_mib / 1024 + 0.25,
+               "disk_gb": repeats * total_mib / 1024 + 1}
         unit_mib = 4
         own = "LocalDiskBackend"
     base = geo | {"count": total_mib // unit_mib, "repeats": repeats, "ops": ["bench"],
@@ -103,7 +106,8 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
              base | {"backend": "kvfs", "mount": mnt, "tenant": TENANT, "seed": "s",
                      "extra": sampled}]
     # The verified-store floor: the same file backend, plus one xxh3_64 pass over the same
-    # bytes in the calling thread (what any store that checksums every page or chunk pays).
+    # bytes in the thread doing the I/O (what any store that checksums every page or chunk
+    # pays).
     names.append(f"{own} + xxh3 on ext4")
     plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
                          "seed": "h", "hash": "xxh3_64"})
@@ -208,7 +212,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engines", nargs="+", default=["sglang", "lmcache"],
                    choices=["sglang", "lmcache"])
     p.add_argument("--total-mib", type=int, default=256, help="data per backend (256)")
-    p.add_argument("--repeats", type=int, default=3, help="timed gets per state (3)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timed sets, and timed gets per state (3)")
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure cold gets (root: drops the page cache)")
     p.add_argument("--work", help="directory for the mount and the plain directory "
@@ -227,8 +232,8 @@ StorageManager (chunks of 4 MiB). For each, the engine's own file backend (HiCac
 generic page path; LocalDiskBackend) on a directory of the plain filesystem and on one of a
 kvfs mount over the same filesystem, and kvfs's backend on that mount (SGLang: zero-copy page
 forms; LMCache: the storage plugin), on the same amount of data (256 MiB). Set throughput
-(every page once), then get throughput warm (median of the repeats) and cold (page cache
-dropped before each, root only), from the second of two passes over the backends in one
+(median of the repeats, each under new keys after a `sync`), then get throughput warm (median
+of the repeats) and cold (page cache dropped before each, root only), from the second of two passes over the backends in one
 process (the first, on other data, warms the process for all of them alike; its figures are in
 the record's `results`). The ratio is kvfs's backend over the engine's file backend
 on the plain filesystem, in the same run; the conditions column gives the file backend
@@ -237,7 +242,8 @@ reads (xxh3 over the payload), which the file backends do not do; the conditions
 gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the price of the
 verification is in the same run. It also gives the floor of any verified store, measured in
 the same run: the file backend's same set and get plus one xxh3_64 pass over the same bytes
-in the calling thread (`HiCacheFile + xxh3`, `LocalDiskBackend + xxh3`), and kvfs's ratio to
+in the thread doing the I/O (`HiCacheFile + xxh3`: the calling thread; `LocalDiskBackend +
+xxh3`: its I/O pools, each chunk hashed right before its write or after its read), and kvfs's ratio to
 it: what is below 1.0x there is kvfs's own overhead, the rest of the gap to the unverified
 backend is the hash; and the CPU time of the engine's process for each (the kvfs daemon's
 is not in it), which other work on a shared host disturbs less than the wall clock.""",
