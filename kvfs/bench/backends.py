@@ -29,8 +29,9 @@ A fifth run, the engine's file backend + xxh3 on the plain filesystem, is the fl
 verified store: the file backend's same set and get plus one xxh3_64 pass over the same
 bytes in the thread that does the I/O (HiCacheFile's is the calling thread; LocalDiskBackend's
 are its thread pools, each hashing a chunk right before writing it or right after reading
-it); kvfs's ratio against it is the part of the gap that is kvfs's own, the rest is the hash. Beside each time, the CPU seconds
-of the engine's process (all its threads; the kvfs daemon's are not included).
+it); kvfs's ratio against it is the part of the gap that is kvfs's own, the rest is the hash.
+Beside each time, the CPU seconds of the engine's process (all its threads; the kvfs daemon's
+are not included).
 Every read is checked (the pages' count); bytes are checked by the tests.
 """
 
@@ -233,19 +234,20 @@ generic page path; LocalDiskBackend) on a directory of the plain filesystem and 
 kvfs mount over the same filesystem, and kvfs's backend on that mount (SGLang: zero-copy page
 forms; LMCache: the storage plugin), on the same amount of data (256 MiB). Set throughput
 (median of the repeats, each under new keys after a `sync`), then get throughput warm (median
-of the repeats) and cold (page cache dropped before each, root only), from the second of two passes over the backends in one
-process (the first, on other data, warms the process for all of them alike; its figures are in
-the record's `results`). The ratio is kvfs's backend over the engine's file backend
-on the plain filesystem, in the same run; the conditions column gives the file backend
-through the mount. kvfs's backend checksums every block it writes and verifies every block it
-reads (xxh3 over the payload), which the file backends do not do; the conditions column also
-gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the price of the
-verification is in the same run. It also gives the floor of any verified store, measured in
-the same run: the file backend's same set and get plus one xxh3_64 pass over the same bytes
-in the thread doing the I/O (`HiCacheFile + xxh3`: the calling thread; `LocalDiskBackend +
-xxh3`: its I/O pools, each chunk hashed right before its write or after its read), and kvfs's ratio to
-it: what is below 1.0x there is kvfs's own overhead, the rest of the gap to the unverified
-backend is the hash; and the CPU time of the engine's process for each (the kvfs daemon's
-is not in it), which other work on a shared host disturbs less than the wall clock.""",
+of the repeats) and cold (page cache dropped before each, root only), from the second of two
+passes over the backends in one process (the first, on other data, warms the process for all of
+them alike; its figures are in the record's `results`). The ratio is kvfs's backend over the
+engine's file backend on the plain filesystem, in the same run; the conditions column gives the
+file backend through the mount. kvfs's backend checksums every block it writes and verifies
+every block it reads (xxh3 over the payload), which the file backends do not do; the conditions
+column also gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the
+price of the verification is in the same run. It also gives the floor of any verified store,
+measured in the same run: the file backend's same set and get plus one xxh3_64 pass over the
+same bytes in the thread doing the I/O (`HiCacheFile + xxh3`: the calling thread;
+`LocalDiskBackend + xxh3`: its I/O pools, each chunk hashed right before its write or after its
+read), and kvfs's ratio to it: what is below 1.0x there is kvfs's own overhead, the rest of the
+gap to the unverified backend is the hash; and the CPU time of the engine's process for each
+(the kvfs daemon's is not in it), which other work on a shared host disturbs less than the wall
+clock.""",
             figure_table,
             ("kvfs", "baseline", "ratio", "verified_baseline", "ratio_verified"))

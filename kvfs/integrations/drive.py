@@ -219,9 +219,7 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
             out["got"] = got
             out["get_sha"] = [_sha(page(i)) for i in range(got)]
         elif op == "bench":
-            first = list(keys)
-
-            def put_all(rep: int = 0) -> None:
+            def put_all(rep: int = 0, first: tuple[str, ...] = tuple(keys)) -> None:
                 keys[:] = page_keys(f"{seed}/set{rep}", n) if rep else first
                 if not all(put(lo, hi) for lo, hi in batches()):
                     raise RuntimeError("a set failed")
