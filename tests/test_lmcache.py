@@ -112,3 +112,30 @@ def test_a_put_larger_than_the_cache_stores_a_prefix(mount_factory):
     # Cut to what the capacity can hold before writing: each stored chunk written once, none
     # written, refused and written again (background eviction may then take the last few).
     assert again["exists"] <= r[0]["stats"]["saved_blocks"] == (2 << 20) // (4096 + (32 << 10))
+
+
+@pytest.mark.mount
+def test_bench_backends_writes_a_record(tmp_path):
+    """`kvfs bench backends` at a tiny scale, LMCache's backends only: every backend's sets
+    (repeated under new keys, each waited for through LMCache's completion callback) and warm
+    gets, a ratio per figure against LocalDiskBackend, its verified floor (hashed in its own
+    I/O threads) and, where it keeps the cores busy, the bound of a verifying store."""
+    import json
+
+    out = tmp_path / "backends.json"
+    kvfs("bench", "backends", "--engines", "lmcache", "--total-mib", "16", "--repeats", "2",
+         "--no-cold", "--work", str(tmp_path), "--json", str(out))
+    record = json.loads(out.read_text())
+    rows = {r["figure"]: r for r in record["rows"]}
+    assert set(rows) == {"lmcache set", "lmcache get warm"}
+    for r in rows.values():
+        assert r["kvfs"] > 0 and r["baseline"] > 0 and r["verified_baseline"] > 0
+        assert r["ratio"] == pytest.approx(r["kvfs"] / r["baseline"], rel=0.01)
+        assert 0 < r.get("verify_bound", 0.5) <= 1
+    assert record["params"]["hash_gbps_per_core"] > 0
+    res = record["results"]["lmcache"]
+    assert set(res) >= {"kvfs backend", "LocalDiskBackend on ext4",
+                        "LocalDiskBackend + xxh3 on ext4", "first_pass"}
+    assert all(r["bytes"] == 16 << 20 and r["set_s"] > 0 and r["get_warm_s"] > 0
+               for n, r in res.items() if n != "first_pass")
+    assert not list(tmp_path.glob(".kvfs-bench-engines-*"))  # the mount and its data gone
