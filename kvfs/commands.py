@@ -73,7 +73,8 @@ class Commands:
         # Only fan-out directories the index does not hold yet are looked at on the disk.
         wanted = {h[:1].hex().encode() for h in hashes}
         fans = sorted(wanted - self.index.present(dnode.inode, wanted))
-        fan_stats = await tree.io(adoption.fan_stats, dpath, fans, tenant=dnode.tenant)
+        fan_stats = (await tree.io(adoption.fan_stats, dpath, fans, tenant=dnode.tenant)
+                     if fans else {})
         inspected = await tree.io(adoption.inspect_blocks, dpath, rels, hashes,
                                   tenant=dnode.tenant)
         fresh, dropped = [], []
