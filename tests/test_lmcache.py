@@ -119,7 +119,7 @@ def test_bench_backends_writes_a_record(tmp_path):
     """`kvfs bench backends` at a tiny scale, LMCache's backends only: every backend's sets
     (repeated under new keys, each waited for through LMCache's completion callback) and warm
     gets, a ratio per figure against LocalDiskBackend, its verified floor (hashed in its own
-    I/O threads) and, where it keeps the cores busy, the bound of a verifying store."""
+    I/O threads)."""
     import json
 
     out = tmp_path / "backends.json"
@@ -131,8 +131,6 @@ def test_bench_backends_writes_a_record(tmp_path):
     for r in rows.values():
         assert r["kvfs"] > 0 and r["baseline"] > 0 and r["verified_baseline"] > 0
         assert r["ratio"] == pytest.approx(r["kvfs"] / r["baseline"], rel=0.01)
-        assert 0 < r.get("verify_bound", 0.5) <= 1
-    assert record["params"]["hash_gbps_per_core"] > 0
     res = record["results"]["lmcache"]
     assert set(res) >= {"kvfs backend", "LocalDiskBackend on ext4",
                         "LocalDiskBackend + xxh3 on ext4", "first_pass"}

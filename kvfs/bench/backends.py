@@ -31,9 +31,7 @@ bytes in the thread that does the I/O (HiCacheFile's is the calling thread; Loca
 are its thread pools, each hashing a chunk right before writing it or right after reading
 it); kvfs's ratio against it is the part of the gap that is kvfs's own, the rest is the hash.
 Beside each time, the CPU seconds of the engine's process (all its threads; the kvfs daemon's
-are not included). Where the file backend keeps the cores busy (a warm get), the row gives the
-bound of any store that verifies every byte: that backend's CPU plus one xxh3_64 pass at one
-core's rate (measured in the same run), spread over every core (:func:`_bound`).
+are not included).
 Every read is checked (the pages' count); bytes are checked by the tests.
 """
 
@@ -52,7 +50,6 @@ from typing import Any
 from .common import finish
 from .harness import Mount, can_drop_caches, conditions, mounted
 from .records import Kind, figure_table
-from .restore_paths import hash_rate
 
 TENANT = "bench"
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -133,10 +130,6 @@ def run(args: argparse.Namespace) -> int:
     mnt = str(m.mnt)
     rows: list[dict[str, Any]] = []
     raw: dict[str, Any] = {}
-    # One core's xxh3_64 rate over bytes in its cache, as kvfs's reads and writes hash them
-    # (the faster of before and after the engines' runs): the price of the verification in
-    # the bound each row gives (see _bound).
-    hash_gbps = hash_rate(1)
     try:
         m.add_tenant(TENANT, 0, 0)
         cond = conditions([plain, mnt])
@@ -154,8 +147,7 @@ def run(args: argparse.Namespace) -> int:
                            zip(names, results[len(plans):], strict=True)}
             raw[engine]["first_pass"] = {n: r["bench"] for n, r in
                                          zip(names, results[:len(plans)], strict=True)}
-            hash_gbps = max(hash_gbps, hash_rate(1))
-            rows += _rows(engine, names, raw[engine], hash_gbps, cond["cores_usable"])
+            rows += _rows(engine, names, raw[engine])
     finally:
         m.stop(check=False)
         if not mounted(m.mnt):
@@ -165,25 +157,12 @@ def run(args: argparse.Namespace) -> int:
         cond["note"] = args.note
     record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
-                         "cold": cold, "hash_gbps_per_core": round(hash_gbps, 2),
-                         "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
+                         "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
     return finish(record, args, _table(rows))
 
 
-def _bound(own_s: float, own_cpu_s: float, nbytes: int, hash_gbps: float, cores: int
-           ) -> float | None:
-    """The best ratio to the unverified file backend that any store verifying every byte can
-    reach, where that backend keeps the cores busy (over 80% of them; None otherwise: a
-    backend waiting on the disk leaves the hash room): it must spend at least the backend's
-    CPU plus one xxh3_64 pass over the bytes at ``hash_gbps`` a core, spread over all
-    ``cores`` at best."""
-    if own_cpu_s < 0.8 * cores * own_s:
-        return None
-    return own_s / max(own_s, (own_cpu_s + nbytes / (hash_gbps * 1e9)) / cores)
-
-
-def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]],
-          hash_gbps: float | None = None, cores: int | None = None) -> list[dict[str, Any]]:
+def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]]
+          ) -> list[dict[str, Any]]:
     own, mount, kvfs, sampled = names[:4]
     hashed = names[4] if len(names) > 4 else None
     rows = []
@@ -217,14 +196,6 @@ def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]],
                     f"{res[own][cpu] * 1e3:.0f} ms"
                     + (f", {hashed} {res[hashed][cpu] * 1e3:.0f} ms" if hashed else "")
                     + "; " + note)
-            bound = (_bound(res[own][key], res[own][cpu], res[own]["bytes"], hash_gbps, cores)
-                     if hash_gbps and cores else None)
-            if bound is not None:
-                row["verify_bound"] = round(bound, 3)
-                note = (f"bound of any store verifying every byte: {bound:.2f}x ({own}'s "
-                        f"{res[own][cpu] * 1e3:.0f} ms of CPU + xxh3 at {hash_gbps:.1f} GB/s "
-                        f"a core, on {cores} cores all busy; kvfs is "
-                        f"{ratio / bound:.2f} of it); " + note)
         rows.append(row | {"note": note})
     return rows
 
@@ -277,10 +248,6 @@ same bytes in the thread doing the I/O (`HiCacheFile + xxh3`: the calling thread
 read), and kvfs's ratio to it: what is below 1.0x there is kvfs's own overhead, the rest of the
 gap to the unverified backend is the hash; and the CPU time of the engine's process for each
 (the kvfs daemon's is not in it), which other work on a shared host disturbs less than the wall
-clock. Where the file backend keeps the cores busy (over 80% of them: a warm get), a row also
-gives the bound of any store that verifies every byte (`verify_bound`): the file backend's CPU
-time plus one xxh3_64 pass over the bytes at one core's rate measured in the same run, spread
-over every core; a target above it is out of reach of a verifying store on this machine.""",
+clock.""",
             figure_table,
-            ("kvfs", "baseline", "ratio", "verified_baseline", "ratio_verified",
-             "verify_bound"))
+            ("kvfs", "baseline", "ratio", "verified_baseline", "ratio_verified"))
