@@ -16,10 +16,12 @@ tools/setup_engines.sh), through the engine's own classes (:mod:`kvfs.integratio
 ``--total-mib`` (256) of pages or chunks are set (set throughput: median of ``--repeats``
 sets, each under new keys, after a ``sync``), then the last set's are read back whole (get
 throughput), warm (page cache holding the files; median of ``--repeats``) and cold
-(``sync; echo 3 > /proc/sys/vm/drop_caches`` before each, root only). Each engine's
-process runs its plans twice, on different data, and the second pass is the record (the first
-is kept in the record's ``results`` as ``first_pass``): the first warms the process for every
-backend alike, as a serving engine's long-lived process is warm. The ratios
+(``sync; echo 3 > /proc/sys/vm/drop_caches`` before each, root only); what a plan wrote is
+removed after it. Each engine's process runs its plans ``--passes`` (3) + 1 times, the
+backends taking turns, each pass on new data; each figure is the median of its passes but the
+first (every pass is kept in the record's ``results``, the first as ``first_pass``): the first
+warms the process for every backend alike, as a serving engine's long-lived process is warm,
+and the turns give every backend its share of the machine's slow minutes. The ratios
 are kvfs's backend over the engine's own file backend on the plain filesystem, measured in
 the same run; the engine's file backend through the mount is the figure the issue started
 from. kvfs's backend verifies every block it reads (xxh3 of the payload) and checksums every
@@ -48,7 +50,7 @@ import time
 from typing import Any
 
 from .common import finish
-from .harness import Mount, can_drop_caches, conditions, mounted
+from .harness import Mount, can_drop_caches, conditions, median, mounted
 from .records import Kind, figure_table
 
 TENANT = "bench"
@@ -95,8 +97,8 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
                "disk_gb": repeats * total_mib / 1024 + 1}
         unit_mib = 4
         own = "LocalDiskBackend"
-    base = geo | {"count": total_mib // unit_mib, "repeats": repeats, "ops": ["bench"],
-                  "drop_caches": cold}
+    base = geo | {"count": total_mib // unit_mib, "repeats": repeats,
+                  "ops": ["bench", "clean"], "drop_caches": cold}
     names = [f"{own} on ext4", f"{own} through the mount", "kvfs backend",
              "kvfs backend, verify=sampled"]
     sampled = {"verify": "sampled"} if engine == "sglang" else {"kvfs.verify": "sampled"}
@@ -137,16 +139,25 @@ def run(args: argparse.Namespace) -> int:
             names, plans = _plans(engine, mnt, plain, args.total_mib, args.repeats, cold)
             _log(f"{engine}: {', '.join(names)}")
             t = time.monotonic()
-            # Two passes over the plans in one process, the second (new data) recorded: the
-            # first warms the process for every backend alike (its figures are kept in
-            # "first_pass"; kvfs's first multi-threaded set of a process ran up to 5x slower).
+            # Passes over the plans in one process, each on new data, the backends taking
+            # turns within each (so that every backend meets the machine's slow minutes
+            # alike): the first warms the process for every backend alike and is not
+            # recorded (kept in "first_pass"; kvfs's first multi-threaded set of a process
+            # ran up to 5x slower); each figure is the median of the other passes' figures.
             first = [p | {"seed": f"{p['seed']}-first"} for p in plans]
-            results = _drive(engine, first + plans)
+            timed = [p | {"seed": f"{p['seed']}-{k}"} for k in range(args.passes)
+                     for p in plans]
+            results = _drive(engine, first + timed)
             _log(f"{engine}: {time.monotonic() - t:.0f} s")
-            raw[engine] = {n: r["bench"] for n, r in
-                           zip(names, results[len(plans):], strict=True)}
-            raw[engine]["first_pass"] = {n: r["bench"] for n, r in
-                                         zip(names, results[:len(plans)], strict=True)}
+            n = len(plans)
+            passes = [{name: r["bench"] for name, r in
+                       zip(names, results[n * (k + 1):n * (k + 2)], strict=True)}
+                      for k in range(args.passes)]
+            raw[engine] = {name: {key: median([p[name][key] for p in passes])
+                                  for key in passes[0][name]} for name in names}
+            raw[engine]["first_pass"] = {name: r["bench"] for name, r in
+                                         zip(names, results[:n], strict=True)}
+            raw[engine]["passes"] = passes
             rows += _rows(engine, names, raw[engine])
     finally:
         m.stop(check=False)
@@ -157,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
         cond["note"] = args.note
     record = {"benchmark": "backends", "conditions": cond, "rows": rows, "results": raw,
               "params": {"total_mib": args.total_mib, "repeats": args.repeats,
-                         "cold": cold, "sglang_page_mib": 2, "lmcache_chunk_mib": 4}}
+                         "passes": args.passes, "cold": cold, "sglang_page_mib": 2,
+                         "lmcache_chunk_mib": 4}}
     return finish(record, args, _table(rows))
 
 
@@ -215,6 +227,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--total-mib", type=int, default=256, help="data per backend (256)")
     p.add_argument("--repeats", type=int, default=3,
                    help="timed sets, and timed gets per state (3)")
+    p.add_argument("--passes", type=int, default=3,
+                   help="recorded passes over the backends, taking turns; median (3)")
     p.add_argument("--cold", action=argparse.BooleanOptionalAction, default=True,
                    help="also measure cold gets (root: drops the page cache)")
     p.add_argument("--work", help="directory for the mount and the plain directory "
@@ -234,20 +248,20 @@ generic page path; LocalDiskBackend) on a directory of the plain filesystem and 
 kvfs mount over the same filesystem, and kvfs's backend on that mount (SGLang: zero-copy page
 forms; LMCache: the storage plugin), on the same amount of data (256 MiB). Set throughput
 (median of the repeats, each under new keys after a `sync`), then get throughput warm (median
-of the repeats) and cold (page cache dropped before each, root only), from the second of two
-passes over the backends in one process (the first, on other data, warms the process for all of
-them alike; its figures are in the record's `results`). The ratio is kvfs's backend over the
-engine's file backend on the plain filesystem, in the same run; the conditions column gives the
-file backend through the mount. kvfs's backend checksums every block it writes and verifies
-every block it reads (xxh3 over the payload), which the file backends do not do; the conditions
-column also gives kvfs's backend with `verify=sampled` (one read in 8 checksummed), so the
-price of the verification is in the same run. It also gives the floor of any verified store,
-measured in the same run: the file backend's same set and get plus one xxh3_64 pass over the
-same bytes in the thread doing the I/O (`HiCacheFile + xxh3`: the calling thread;
-`LocalDiskBackend + xxh3`: its I/O pools, each chunk hashed right before its write or after its
-read), and kvfs's ratio to it: what is below 1.0x there is kvfs's own overhead, the rest of the
-gap to the unverified backend is the hash; and the CPU time of the engine's process for each
-(the kvfs daemon's is not in it), which other work on a shared host disturbs less than the wall
-clock.""",
+of the repeats) and cold (page cache dropped before each, root only), the median of three
+passes over the backends in one process, the backends taking turns in each, after a first pass
+that warms the process for all of them alike (each on other data; every pass's figures are in
+the record's `results`). The ratio is kvfs's backend over the engine's file backend on the
+plain filesystem, in the same run; the conditions column gives the file backend through the
+mount. kvfs's backend checksums every block it writes and verifies every block it reads (xxh3
+over the payload), which the file backends do not do; the conditions column also gives kvfs's
+backend with `verify=sampled` (one read in 8 checksummed), so the price of the verification is
+in the same run. It also gives the floor of any verified store, measured in the same run: the
+file backend's same set and get plus one xxh3_64 pass over the same bytes in the thread doing
+the I/O (`HiCacheFile + xxh3`: the calling thread; `LocalDiskBackend + xxh3`: its I/O pools,
+each chunk hashed right before its write or after its read), and kvfs's ratio to it: what is
+below 1.0x there is kvfs's own overhead, the rest of the gap to the unverified backend is the
+hash; and the CPU time of the engine's process for each (the kvfs daemon's is not in it), which
+other work on a shared host disturbs less than the wall clock.""",
             figure_table,
             ("kvfs", "baseline", "ratio", "verified_baseline", "ratio_verified"))

@@ -32,6 +32,7 @@ import json
 import os
 import random
 import resource
+import shutil
 import sys
 import threading
 import time
@@ -257,11 +258,26 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
                 out["bench"] = _bench(plan, put_all, get_all, n * page_bytes)
         elif op == "stats":
             out["stats"] = backend.get_stats()
+        elif op == "clean":
+            _clean(plan, backend)
         elif op == "clear":
             out["clear"] = backend.clear()
     if hasattr(backend, "close"):
         backend.close()
     return out
+
+
+def _clean(plan: dict[str, Any], backend: Any) -> None:
+    """Remove what the plan's backend wrote (a benchmark's passes would fill the disk): the
+    file backend's directory's entries, or the kvfs namespace's fan-out directories, through
+    the mount (kvfs accounts for them)."""
+    file = plan["backend"] == "file"
+    with os.scandir(plan["dir"] if file else backend.cache.ns_dir) as it:
+        for entry in it:
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            elif file:
+                os.unlink(entry.path)
 
 
 def _cpu() -> float:
@@ -464,6 +480,8 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
                 o.ref_count_down()
         elif op == "stats":
             out["stats"] = getattr(getattr(backend, "cache", None), "stats", None)
+        elif op == "clean":
+            _clean(plan, backend)
     manager.close()
     return out
 
