@@ -4,8 +4,9 @@ Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs be
 which run ``<venv>/bin/python -m kvfs.integrations.drive <engine> '<json plan>'`` and read one
 JSON object from the last line of its output. A plan says which backend (``kvfs``, or the
 engine's own file backend on a directory), which pages or chunks (a seed, a count, a page
-size) and what to do with them (``put``, ``exists``, ``get``, ``bench``); a list of plans
-runs one after the other in the same process, each answering its error if it raises.
+size) and what to do with them (``put``, ``exists``, ``get``, ``bench``, and ``clean``: remove
+what the backend wrote); a list of plans runs one after the other in the same process, each
+answering its error if it raises.
 Data are pseudo-random bytes from the seed; the answer carries the sha256 of each page or
 chunk written or read, so a test compares what one process wrote with what another read.
 
