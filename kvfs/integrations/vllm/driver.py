@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="turn vLLM's own prefix cache off (every request asks the connector)")
     p.add_argument("--dump-loaded", help="write the pages the last load filled to this .pt")
     p.add_argument("--events", action="store_true",
-                   help="record the KV events the scheduler takes from the connector")
+                   help="record the KV events the scheduler takes from the connector, and "
+                   "where each request's begin")
     p.add_argument("--gate", metavar="DIR",
                    help="before each prompt but the first, create DIR/ready-<i> and wait for "
                         "DIR/go-<i> (a test acts on the mount between two requests)")
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.gate and i:
             _wait_gate(args.gate, i)
         tokens = _prompt_tokens(llm, path)
+        if args.events:  # where this request's events begin
+            events.append({"type": "request", "index": i})
         if args.drop_caches:
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as f:
