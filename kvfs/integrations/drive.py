@@ -401,22 +401,20 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
     def put_keys(these: list[Any], objs: list[Any]) -> None:
         """The backend's own asynchronous put, waited for through its completion callback
         (each key's, once written: the same moment for every backend)."""
-        left, done = [len(these)], threading.Event()
+        left, done = set(these), threading.Event()
 
-        def one_done(_key: Any) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] == 0:
-                    done.set()
+        def one_done(key: Any) -> None:
+            left.discard(key)
+            if not left:
+                done.set()
 
-        lock = threading.Lock()
         for o in objs:
             o.ref_count_up()  # the bench keeps the chunks for the next set
         backend.batched_submit_put_task(these, objs, on_complete_callback=one_done)
         for o in objs:
             o.ref_count_down()
         if not done.wait(120):
-            raise TimeoutError(f"puts not done after 120 s ({left[0]} left)")
+            raise TimeoutError(f"puts not done after 120 s ({len(left)} left)")
 
     def wait_put() -> None:
         if hasattr(backend, "flush"):
