@@ -210,6 +210,17 @@ def test_bench_door_writes_a_record(tmp_path):
     assert "requests waited for" in creates["note"]
     assert 0 < rows["sglang: write"]["floor"] < 1 and 0 < rows["small: warm read"]["floor"] < 1
     assert "floor" not in rows["lmcache-direct: write"]
+    # The peer, libfuse's passthrough_ll built from the libfuse3-dev examples, took the same
+    # patterns (not O_DIRECT: its backing writes refuse libfuse's unaligned buffers).
+    from kvfs.bench import door_peer
+
+    assert record["peer"]["why_not"] == door_peer.missing()
+    if record["peer"]["measured"]:
+        assert rows["small: create+write+close per file"]["peer_ratio"] > 1
+        assert 0 < rows["lmcache: warm read"]["peer_ratio"]
+        assert "peer_ratio" not in rows["vllm: write"]
+        assert rows["daemon CPU per create+write+close"]["peer"] > 0
+    assert not [ln for ln in open("/proc/self/mountinfo") if str(tmp_path) in ln]
     assert not record["problems"]
     bad = kvfs("bench", "door", "--patterns", "nope", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "nope" in bad.stderr

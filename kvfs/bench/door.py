@@ -45,22 +45,28 @@ an upper bound on its ratio. A figure whose floor misses its target is out of re
 round trip, whatever the daemon does; the rest of its gap is the daemon's own work. O_DIRECT
 patterns get no floor: the plain side's I/O goes to the disk, the daemon's to the backing
 file's page cache (`O_DIRECT` is not passed on).
+
+The floor is a bound, not a daemon; beside the first mount the same patterns also go, in
+the same repeats, through **the peer**: libfuse's own `passthrough_ll` in C, compiled from the
+examples of the system's libfuse3-dev (`--no-peer` skips it; see kvfs.bench.door_peer). A
+figure the peer misses too is out of reach for a FUSE daemon on this machine, in any language;
+the distance between the peer and kvfs is kvfs's own. The peer takes no O_DIRECT pattern: it
+passes O_DIRECT on to its backing files, whose writes refuse libfuse's unaligned buffers.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import shlex
 import shutil
 import tempfile
-import threading
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
+from . import door_peer
 from .common import add_output_args, finish
+from .door_io import aligned, direct_ok, read_files, write_files
 from .harness import (
     Mount,
     can_drop_caches,
@@ -104,6 +110,13 @@ def add_arguments(parser: Any) -> None:
                         help="fstat calls timed for the bare FUSE round trip (5000; 0: none)")
     parser.add_argument("--no-cold", dest="cold", action="store_false",
                         help="skip cold reads (they need root, to drop the caches)")
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="skip the peer (libfuse's passthrough_ll in C, built from the "
+                             "libfuse3-dev examples; measured beside the first mount where "
+                             "it can be built)")
+    parser.add_argument("--peer-options", dest="peer_options", default=door_peer.OPTIONS,
+                        help=f"the peer's -o options ({door_peer.OPTIONS}; add ',writeback' "
+                             "to compare with kvfs's --writeback-cache)")
     parser.add_argument("--note", default="", help="a note on the conditions, kept in the "
                         "record (say so when the machine is loaded by other work)")
     parser.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -157,86 +170,15 @@ class Side:
 # -- the engines' file patterns -----------------------------------------------------------
 
 
-def _aligned(size: int) -> mmap.mmap:
-    """A page-aligned buffer (what O_DIRECT asks for), filled with non-zero bytes."""
-    buf = mmap.mmap(-1, size)
-    buf.write(os.urandom(min(size, MiB)) * max(1, size // MiB))
-    return buf
-
-
-def _direct_ok(directory: str) -> bool:
-    """Whether `directory` takes O_DIRECT (vLLM's probe: a hidden temporary)."""
-    path = os.path.join(directory, f".o_direct_probe_{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_DIRECT, 0o644)
-    except OSError:
-        return False
-    os.close(fd)
-    os.unlink(path)
-    return True
-
-
-def _write_all(fd: int, buf: memoryview) -> None:
-    done = 0
-    while done < len(buf):
-        done += os.write(fd, buf[done:])
-
-
-def write_files(pattern: str, directory: str, names: list[str], buf: mmap.mmap,
-                direct: bool) -> None:
-    """Write every file of `names` in `directory` as the pattern's engine does."""
-    view = memoryview(buf)
-    odirect = os.O_DIRECT if direct else 0
-    for name in names:
-        path = os.path.join(directory, name)
-        if pattern == "small":
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            _write_all(fd, view)
-            os.close(fd)
-        elif pattern in ("vllm", "sglang"):
-            if os.path.exists(path):
-                continue
-            if pattern == "vllm":
-                tmp = f"{path}_{uuid.uuid4().hex[:8]}.tmp"
-                flags = os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC | odirect
-            else:
-                tmp = f"{path}.tmp.{os.getpid()}.{threading.get_ident()}.{uuid.uuid4().hex}"
-                flags = os.O_CREAT | os.O_WRONLY | os.O_TRUNC
-            fd = os.open(tmp, flags, 0o644)
-            _write_all(fd, view)
-            os.close(fd)
-            os.replace(tmp, path)
-        else:  # lmcache: in place at the final name
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | odirect, 0o644)
-            _write_all(fd, view)
-            os.close(fd)
-
-
-def read_files(directory: str, names: list[str], buf: mmap.mmap, direct: bool) -> None:
-    """Read every file whole into `buf` (readinto / readv; O_DIRECT when `direct`)."""
-    view = memoryview(buf)
-    size = len(buf)
-    flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
-    for name in names:
-        fd = os.open(os.path.join(directory, name), flags)
-        got = 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                os.close(fd)
-                raise RuntimeError(f"{name}: short file ({got} of {size} bytes)")
-            got += n
-        os.close(fd)
-
-
 def _timed(fn: Callable[[], None]) -> float:
     t = time.perf_counter()
     fn()
     return time.perf_counter() - t
 
 
-def _phase(res: dict[str, Any], mount: Side | None, what: str, fn: Callable[[], None]) -> None:
-    """Time `fn` as `res[what_s]`; on the mount side, what the daemon did for it too."""
+def _phase(res: dict[str, Any], mount: Any, what: str, fn: Callable[[], None]) -> None:
+    """Time `fn` as `res[what_s]`; on a FUSE side (kvfs's or the peer's), what its daemon did
+    for it too."""
     before = mount.counters() if mount is not None else None
     res[f"{what}_s"] = _timed(fn)
     if mount is not None and before is not None:
@@ -261,18 +203,20 @@ def copy_us(patterns: list[str]) -> dict[str, float]:
     return {p: round(copy_seconds(PATTERNS[p][0]) * 1e6, 2) for p in patterns}
 
 
-def run_pattern(pattern: str, sides: dict[str, tuple[str, Side | None]], count: int,
+def run_pattern(pattern: str, sides: dict[str, tuple[str, Any]], count: int,
                 repeat: int, cold: bool) -> dict[str, dict[str, Any]]:
     """One repeat of one pattern on each side: seconds to write, to read warm and cold."""
     size = PATTERNS[pattern][0]
-    buf = _aligned(size)
+    buf = aligned(size)
     names = [f"{pattern}-{i:05d}.bin" for i in range(count)]
     direct = pattern in ("vllm", "lmcache-direct")
     out: dict[str, dict[str, Any]] = {}
     for side, (root, mount) in sides.items():
+        if side == "peer" and direct:
+            continue  # its backing O_DIRECT writes fail (EINVAL): libfuse's buffers unaligned
         d = os.path.join(root, f"{pattern}.{repeat}")
         os.makedirs(d)
-        use_direct = direct and _direct_ok(d)
+        use_direct = direct and direct_ok(d)
         res: dict[str, Any] = {"direct": use_direct}
         _phase(res, mount, "write",
                lambda d=d, o=use_direct: write_files(pattern, d, names, buf, o))
@@ -281,8 +225,8 @@ def run_pattern(pattern: str, sides: dict[str, tuple[str, Side | None]], count: 
             drop_caches(3, daemon_pid=mount.pid if mount is not None else None)
             _phase(res, mount, "cold", lambda d=d, o=use_direct: read_files(d, names, buf, o))
         out[side] = res
-    for root, _ in sides.values():
-        shutil.rmtree(os.path.join(root, f"{pattern}.{repeat}"))
+    for side in out:
+        shutil.rmtree(os.path.join(sides[side][0], f"{pattern}.{repeat}"))
     return out
 
 
@@ -323,19 +267,27 @@ def file_count(pattern: str, args: Any) -> int:
 
 
 def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: list[str],
-                cold: bool) -> dict[str, Any]:
+                cold: bool, peer: tuple[str, str] | None = None) -> dict[str, Any]:
+    """The patterns through a kvfs mount with `extra` arguments, a plain directory and, given
+    its binary and options, the peer (:mod:`kvfs.bench.door_peer`), taking turns in each
+    repeat."""
     base = os.path.join(work, name)
     side = Side(base, extra)
+    peer_side = door_peer.PeerSide(base, *peer) if peer else None
     plain = os.path.join(base, "plain")
     os.makedirs(plain)
     side.start()
     try:
+        if peer_side is not None:
+            peer_side.start()
         # The round trip and the copies before the patterns and after them, the faster of
         # the two: right after a burst of writes the kernel's write-back competes for the CPUs.
         first = round_trip(side.mount, plain, args.round_trips) if args.round_trips else {}
         copies = [copy_us(patterns)]
-        sides: dict[str, tuple[str, Side | None]] = {"mount": (side.root, side),
-                                                     "plain": (plain, None)}
+        sides: dict[str, tuple[str, Any]] = {"mount": (side.root, side),
+                                             "plain": (plain, None)}
+        if peer_side is not None:
+            sides["peer"] = (peer_side.root, peer_side)
         results: dict[str, list[dict[str, dict[str, Any]]]] = {p: [] for p in patterns}
         for r in range(args.repeats):
             for p in patterns:
@@ -349,6 +301,8 @@ def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: lis
         copies.append(copy_us(patterns))
         broken = side.mount.tracebacks() > 0
     finally:
+        if peer_side is not None:
+            peer_side.stop()
         side.mount.stop(check=False)
     return {"mount_args": extra, "patterns": summarise(results, args), "round_trip_us": rt,
             "copy_us": {p: min(c[p] for c in copies) for p in patterns},
@@ -364,7 +318,10 @@ def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
         s: dict[str, Any] = {"files": count, "file_kib": size >> 10,
                              "mib": round(size * count / MiB, 1),
                              "direct": {k: runs[0][k]["direct"] for k in ("mount", "plain")}}
-        for side in ("mount", "plain"):
+        sides = [k for k in ("mount", "plain", "peer") if k in runs[0]]
+        if "peer" in sides:
+            s["peer_direct"] = runs[0]["peer"]["direct"]
+        for side in sides:
             for what in ("write_s", "warm_s", "cold_s"):
                 xs = [r[side][what] for r in runs if what in r[side]]
                 if xs:
@@ -381,10 +338,18 @@ def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
                 "bytes": round((median([d["bytes"] for d in done]) or 0.0) / count),
                 "daemon_cpu_us": round((median([d["cpu_s"] for d in done]) or 0.0)
                                        / count * 1e6, 1)}
-        s["creates_ratio"] = round(s["mount_write_s"] / s["plain_write_s"], 3)
-        for what in ("write", "warm", "cold"):
-            if f"mount_{what}_s" in s:
-                s[f"{what}_ratio"] = round(s[f"plain_{what}_s"] / s[f"mount_{what}_s"], 3)
+            peer = [r["peer"][f"{what}_daemon"] for r in runs if "peer" in r]
+            if peer:
+                s[f"peer_{what}_cpu_us"] = round(
+                    (median([d["cpu_s"] for d in peer]) or 0.0) / count * 1e6, 1)
+        for side, pre in (("mount", ""), ("peer", "peer_")):
+            if f"{side}_write_s" not in s:
+                continue
+            s[f"{pre}creates_ratio"] = round(s[f"{side}_write_s"] / s["plain_write_s"], 3)
+            for what in ("write", "warm", "cold"):
+                if f"{side}_{what}_s" in s:
+                    s[f"{pre}{what}_ratio"] = round(s[f"plain_{what}_s"] / s[f"{side}_{what}_s"],
+                                                    3)
         out[p] = s
     return out
 
@@ -434,6 +399,18 @@ def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, 
     return row
 
 
+def _peer(row: dict[str, Any], s: dict[str, Any], what: str, value: float) -> dict[str, Any]:
+    """`row` with the peer's figure (`peer`: same unit) and ratio to the plain directory
+    (`peer_ratio`), and whether the peer meets the target (`peer_ok`), where it was measured."""
+    ratio = s.get(f"peer_{what}_ratio")
+    if ratio is None or not value:
+        return row
+    _, bound, lower = TARGETS[what]
+    row.update(peer=round(value, 1), peer_ratio=ratio,
+               peer_ok=ratio <= bound if lower else ratio >= bound)
+    return row
+
+
 def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """The record's rows: one per figure, the mount against the plain directory, with the
     floor where there is one."""
@@ -445,12 +422,13 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             if p == "small":
                 target, bound, lower = TARGETS["creates"]
                 mount_us, plain_us = (s["mount_write_s"] / n * 1e6, s["plain_write_s"] / n * 1e6)
-                rows.append(_with_floor(
+                rows.append(_with_floor(_peer(
                     {"figure": f"{tag}{p}: create+write+close per file", "unit": "us",
                      "kvfs": round(mount_us, 1), "baseline": round(plain_us, 1),
                      "baseline_name": "plain dir", "ratio": s["creates_ratio"],
                      "target": target, "ok": s["creates_ratio"] <= bound},
-                    s, "write", v, p, creates=True))
+                    s, "creates", s.get("peer_write_s", 0) / n * 1e6), s, "write", v, p,
+                    creates=True))
             metrics = ("warm", "cold") if p == "small" else ("write", "warm", "cold")
             for what in metrics:
                 if f"mount_{what}_s" not in s:
@@ -458,12 +436,14 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                 target, bound, _ = TARGETS[what]
                 ratio = s[f"{what}_ratio"]
                 label = {"write": "write", "warm": "warm read", "cold": "cold read"}[what]
-                rows.append(_with_floor(
+                peer_s = s.get(f"peer_{what}_s")
+                rows.append(_with_floor(_peer(
                     {"figure": f"{tag}{p}: {label}", "unit": "MiB/s",
                      "kvfs": round(mib / s[f"mount_{what}_s"], 1),
                      "baseline": round(mib / s[f"plain_{what}_s"], 1),
                      "baseline_name": "plain dir", "ratio": ratio, "target": target,
-                     "ok": ratio >= bound}, s, what, v, p))
+                     "ok": ratio >= bound}, s, what, mib / peer_s if peer_s else 0),
+                    s, what, v, p))
         rt = v.get("round_trip_us") or {}
         if rt:
             rows.append({"figure": f"{tag}bare FUSE round trip (fstat, no attribute cache)",
@@ -480,19 +460,25 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                          "kvfs": round(sum(req.values()), 2), "baseline": None,
                          "note": ", ".join(f"{k} {x:g}" for k, x in req.items())})
             rows.append({"figure": f"{tag}daemon CPU per {label}", "unit": "us",
-                         "kvfs": per["daemon_cpu_us"], "baseline": None})
+                         "kvfs": per["daemon_cpu_us"], "baseline": None,
+                         **({"peer": small[f"peer_{what}_cpu_us"],
+                             "note": f"the peer: {small[f'peer_{what}_cpu_us']:g} us"}
+                            if f"peer_{what}_cpu_us" in small else {})})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'figure':<58} {'kvfs':>10} {'plain':>10} {'ratio':>7}  target"]
+    peer = any("peer_ratio" in r for r in rows)
+    lines = [f"{'figure':<58} {'kvfs':>10} {'plain':>10} {'ratio':>7}  "
+             + ("peer ratio  " if peer else "") + "target"]
     for r in rows:
         def cell(x: Any) -> str:
             return "-" if x is None else f"{x:g}"
         verdict = "" if r.get("ok") is None else " ok" if r["ok"] else " MISSED"
         lines.append(f"{r['figure'][:58]:<58} {cell(r.get('kvfs')):>10} "
                      f"{cell(r.get('baseline')):>10} {cell(r.get('ratio')):>7}  "
-                     f"{r.get('target', '')}{verdict} {r.get('note', '')}")
+                     + (f"{cell(r.get('peer_ratio')):>10}  " if peer else "")
+                     + f"{r.get('target', '')}{verdict} {r.get('note', '')}")
     return "\n".join(lines)
 
 
@@ -504,6 +490,11 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
     ys = list(range(len(rows)))[::-1]
     colors = ["tab:green" if r.get("ok") else "tab:red" for r in rows]
     ax.barh(ys, [r["ratio"] for r in rows], color=colors)
+    peer = [(y, r["peer_ratio"]) for y, r in zip(ys, rows, strict=True) if "peer_ratio" in r]
+    if peer:
+        ax.scatter([x for _, x in peer], [y for y, _ in peer], marker="D", s=18, zorder=3,
+                   color="tab:blue", label=f"{(record.get('peer') or {}).get('name')}")
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_yticks(ys, [r["figure"] for r in rows], fontsize=7)
     ax.set_xscale("log")
     ax.axvline(1.0, color="black", linewidth=0.8)
@@ -541,10 +532,22 @@ def run(args: Any) -> int:
     work = tempfile.mkdtemp(prefix=".kvfs-bench-door-", dir=args.dir)
     started = time.monotonic()
     results: dict[str, dict[str, Any]] = {}
+    peer: dict[str, Any] = {"name": door_peer.NAME, "options": args.peer_options,
+                            "measured": False}
     try:
         cond = conditions({"work dir": work}, modules=("pyfuse3",), gpu=False)
+        binary = None
+        if args.peer:
+            peer["why_not"] = door_peer.missing()
+            if peer["why_not"] is None:
+                binary = door_peer.build(work)
+                peer = {**peer, "measured": True, "why_not": None}
+        else:
+            peer["why_not"] = "--no-peer"
         for name, extra in variants.items():
-            results[name] = run_variant(args, work, name, extra, patterns, cold)
+            results[name] = run_variant(args, work, name, extra, patterns, cold,
+                                        binary and (binary, args.peer_options))
+            binary = None  # beside the first mount only
         conditions_after(cond)
     finally:
         if not args.keep:
@@ -554,6 +557,7 @@ def run(args: Any) -> int:
                 if v["daemon_tracebacks"]]
     record: dict[str, Any] = {
         "benchmark": "door", "rows": rows, "variants": results, "patterns": patterns,
+        "peer": peer,
         "repeats": args.repeats, "scale": args.scale, "cold_measured": cold,
         "seconds": round(time.monotonic() - started, 1), "problems": problems,
         "conditions": {**cond, "note": args.note},

@@ -276,7 +276,9 @@ def figure_table(record: dict[str, Any]) -> list[str]:
         return generic_table(record)
     notes = any(r.get("note") for r in rows)
     targets = any(r.get("target") for r in rows)
-    head = ["figure", "kvfs", "baseline", "ratio", *(["target"] if targets else []),
+    peer = (record.get("peer") or {}).get("name") if any("peer_ratio" in r for r in rows) else ""
+    head = ["figure", "kvfs", "baseline", "ratio", *([f"ratio of {peer}"] if peer else []),
+            *(["target"] if targets else []),
             *(["conditions"] if notes else [])]
     out = []
     for r in rows:
@@ -288,9 +290,18 @@ def figure_table(record: dict[str, Any]) -> list[str]:
             base += f" ({r['baseline_name']})"
         verdict = "" if r.get("ok") is None else " ok" if r["ok"] else " **missed**"
         out.append([str(r.get("figure", "-")), value, base, ratio_text(r.get("ratio")),
+                    *([peer_text(r)] if peer else []),
                     *([f"{r.get('target') or ''}{verdict}".strip()] if targets else []),
                     *([str(r.get("note") or "")] if notes else [])])
     return md_table(head, out)
+
+
+def peer_text(row: dict[str, Any]) -> str:
+    """A row's peer ratio, and whether the peer meets the row's target."""
+    if row.get("peer_ratio") is None:
+        return "-"
+    ok = "" if row.get("peer_ok") is None else " ok" if row["peer_ok"] else " missed"
+    return f"{ratio_text(row['peer_ratio'])}{ok}"
 
 
 def unit_text(v: Any, unit: str) -> str:
