@@ -29,8 +29,9 @@ the FUSE channel, the time of one `memcpy` of a file's bytes (round trip and cop
 after the patterns, the faster), and the daemon's CPU time per file written and per file read
 warm.
 
-From these each figure gets its **floor**: the best ratio any daemon answering requests at
-this round trip could reach. Through the mount the backing filesystem still does what the
+From these each figure gets its **floor**: the best ratio a daemon sent the requests kvfs
+was sent could reach, answering each at this round trip (a daemon in C answers faster and may
+be sent fewer: that is what the peer below shows). Through the mount the backing filesystem still does what the
 plain directory does (the daemon creates, writes and reads the backing file; the kernel serves
 kept pages as it serves the plain directory's), and on top of that each request the caller
 waits for costs at least one bare round trip (every request but `read`, `write`, `release` and
