@@ -29,23 +29,23 @@ the FUSE channel, the time of one `memcpy` of a file's bytes (round trip and cop
 after the patterns, the faster), and the daemon's CPU time per file written and per file read
 warm.
 
-From these each figure gets its **floor**: the best ratio a daemon sent the requests kvfs
-was sent could reach, answering each at this round trip (a daemon in C answers faster and may
-be sent fewer: that is what the peer below shows). Through the mount the backing filesystem still does what the
-plain directory does (the daemon creates, writes and reads the backing file; the kernel serves
-kept pages as it serves the plain directory's), and on top of that each request the caller
-waits for costs at least one bare round trip (every request but `read`, `write`, `release` and
-`forget`: reads may overlap in read-ahead, a release and a forget are not waited for) and each
-byte that crosses the channel at least two copies besides the one the plain side makes too (a
-buffered `write`: the writer's buffer into the kernel's pages, those pages into the daemon's
-buffer, and the daemon's `pwrite` is the plain side's write; a `read` the daemon answers: its
-`pread` is the plain side's read, then its reply into the kernel's pages, those pages into the
-reader's buffer). So floor time = plain time + files x (waited requests x round trip) +
-2 x bytes crossed x the time of one `memcpy` of them: a lower bound on the mount's time, and
-an upper bound on its ratio. A figure whose floor misses its target is out of reach at this
-round trip, whatever the daemon does; the rest of its gap is the daemon's own work. O_DIRECT
-patterns get no floor: the plain side's I/O goes to the disk, the daemon's to the backing
-file's page cache (`O_DIRECT` is not passed on).
+From these each figure gets its **floor**: the best ratio a daemon sent the requests kvfs was
+sent could reach, answering each at this round trip (a daemon in C answers faster and may be
+sent fewer: the peer below shows what one gets). Through the mount the backing filesystem
+still does what the plain directory does (the daemon creates, writes and reads the backing
+file; the kernel serves kept pages as it serves the plain directory's), and on top of that
+each request the caller waits for costs at least one bare round trip (every request but
+`read`, `write`, `release` and `forget`: reads may overlap in read-ahead, a release and a
+forget are not waited for) and each byte that crosses the channel at least two copies besides
+the one the plain side makes too (a buffered `write`: the writer's buffer into the kernel's
+pages, those pages into the daemon's buffer, and the daemon's `pwrite` is the plain side's
+write; a `read` the daemon answers: its `pread` is the plain side's read, then its reply into
+the kernel's pages, those pages into the reader's buffer). So floor time = plain time + files
+x (waited requests x round trip) + 2 x bytes crossed x the time of one `memcpy` of them: a
+lower bound on the mount's time, and an upper bound on its ratio. A figure whose floor misses
+its target is out of reach at this round trip, whatever the daemon does; the rest of its gap
+is the daemon's own work. O_DIRECT patterns get no floor: the plain side's I/O goes to the
+disk, the daemon's to the backing file's page cache (`O_DIRECT` is not passed on).
 
 The floor is a bound, not a daemon; beside the first mount the same patterns also go, in
 the same repeats, through **the peer**: libfuse's own `passthrough_ll` in C, compiled from the
