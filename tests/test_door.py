@@ -219,7 +219,8 @@ def test_bench_door_writes_a_record(tmp_path):
         assert rows["small: create+write+close per file"]["peer_ratio"] > 1
         assert 0 < rows["lmcache: warm read"]["peer_ratio"]
         assert "peer_ratio" not in rows["vllm: write"]
-        assert rows["daemon CPU per create+write+close"]["peer"] > 0
+        # Its CPU per create is there (clock ticks: 20 small files may take none).
+        assert rows["daemon CPU per create+write+close"]["peer"] >= 0
     assert not [ln for ln in open("/proc/self/mountinfo") if str(tmp_path) in ln]
     assert not record["problems"]
     bad = kvfs("bench", "door", "--patterns", "nope", "--dir", str(tmp_path), check=False)
