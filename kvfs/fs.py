@@ -30,7 +30,7 @@ from .audit import Audit
 from .commands import Commands
 from .handlers import handler
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
-from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, read_disk
+from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
 from .promotion import Promotion
 from .reclaim import Reclaim
 from .settings import DEFAULTS
@@ -370,15 +370,15 @@ class Operations(pyfuse3.Operations):
         if node.tier:
             node = await self.promotion.fetch_to_open(node)
         writable = flags & os.O_ACCMODE != os.O_RDONLY
-        bflags = backing_flags(flags)
         truncate = writable and bool(flags & os.O_TRUNC)
-        rel = self.tree.path(node)
+        rel, bflags = self.tree.path(node), backing_flags(flags)
         # A read whose path the kernel has cached opens here, without a thread (no I/O).
-        fd = None if writable else self.store.open_cached(rel, bflags)
-        if fd is None:
-            fd = await self.tree.io(self.store.open, rel, bflags, tenant=node.tenant)
+        fd, ahead = (None if writable else self.store.open_cached(rel, bflags)), 0
+        if fd is None:  # in a thread; a cold read asks for its data too (openfiles.open_ahead)
+            fd, ahead = await self.tree.io(open_ahead, functools.partial(
+                self.store.open, rel, bflags), 0 if writable else node.size, tenant=node.tenant)
             node = self.index.get(inode)  # re-read: the world may have moved during the await
-        fh = self.files.register(node, fd, writable, ctx)
+        fh = self.files.register(node, fd, writable, ctx, ahead=ahead)
         if truncate:
             of = self.open_files[inode]
             self.files.writing(of, inode, self.handles[fh])  # marked before the file changes

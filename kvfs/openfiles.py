@@ -14,6 +14,7 @@ the FUSE handlers open, create, write, setattr, flush and release; `Handle.ahead
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,10 @@ from .stats import Key
 
 #: Bytes a sequential reader's backing file is read ahead of it.
 READ_AHEAD = 16 << 20
+#: The largest read request the kernel sends (256 pages): a file larger than this, opened for
+#: reading where the backing file's path was not cached, is asked for whole (up to
+#: READ_AHEAD) by the open itself (:func:`open_ahead`).
+READ_REQUEST = 1 << 20
 
 
 @dataclass(slots=True)
@@ -75,6 +80,31 @@ def advise(fd: int, off: int, length: int) -> None:
         pass  # closed meanwhile, or not supported: only a lost hint
 
 
+def open_ahead(open_fn: Callable[[], int], size: int) -> tuple[int, int]:
+    """Thread: open a backing file for reading (`open_fn`) and, where it is larger than one
+    read request, ask the kernel for its first READ_AHEAD bytes at once (WILLNEED starts the
+    reads and returns); the fd, and how far a handle of it has asked (`Handle.ahead`).
+
+    Every open that needs a thread comes here: a writer's (size 0: nothing is asked for) and
+    a cold reader's (the path not in the kernel's cache, so its data are likely not either;
+    a warm one opens on the event loop). Its reads then find the disk already busy with the
+    whole file in one request, instead of meeting it one 1 MiB request at a time (O_DIRECT
+    readers, sent one by one) or in several at once (read-ahead) that each start their own
+    reads. A whole file asked for is asked for once: `ahead` past its end by half a window,
+    so no read asks again.
+    Measured (kvfs bench door, cold reads, ratio to the plain directory, medians of 8 runs
+    each alternated with the code before; 2-core VM, ext4 on a virtio disk): SGLang's 2 MiB
+    pages 0.49x -> 0.61x, LMCache's 4 MiB chunks 0.60x -> 0.68x, vLLM's O_DIRECT 2 MiB
+    blocks 0.31x -> 0.37x; LMCache's O_DIRECT 4 MiB chunks no better (0.58x, 0.55x). A file
+    of one request or less is left to its one read: there is nothing to join."""
+    fd = open_fn()
+    if size <= READ_REQUEST:  # also a writer's open (size 0)
+        return fd, 0
+    length = min(size, READ_AHEAD)
+    advise(fd, 0, length)
+    return fd, length + READ_AHEAD // 2 if length == size else length
+
+
 def read_disk(h: Handle, off: int, size: int) -> bytes:
     """Thread: read from the disk. A sequential reader's next READ_AHEAD bytes are asked for
     at once (WILLNEED starts the reads and returns), so that its next requests find them in
@@ -102,9 +132,10 @@ class OpenFiles:
         return fh
 
     def register(self, node: Node, fd: int, writable: bool, ctx: Any = None, *,
-                 created: bool = False) -> int:
+                 created: bool = False, ahead: int = 0) -> int:
         """A new handle of `node`; returns its number. A file `created` for writing is
-        indexed as being written from the start, by this handle."""
+        indexed as being written from the start, by this handle; `ahead`: how far its
+        backing file was asked for already (:func:`open_ahead`)."""
         of = self.files.get(node.inode)
         if of is None:
             of = self.files[node.inode] = OpenFile(size=node.size, mtime_ns=node.mtime_ns)
@@ -115,7 +146,7 @@ class OpenFiles:
                 of.dirty = True
                 of.size = node.size
                 of.saved = (of.size, of.mtime_ns)
-        h = Handle(node.inode, fd, writable, (node.tenant, node.ns))
+        h = Handle(node.inode, fd, writable, (node.tenant, node.ns), ahead=ahead)
         if ctx is not None:
             h.uid, h.pid = ctx.uid, ctx.pid
         if created and writable:

@@ -3,7 +3,9 @@ limits stay exact, errors reach the writer, nothing stale is ever served."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import time
 
@@ -177,6 +179,66 @@ def test_evicted_then_recreated_reads_new_content(mount_factory):
     new = b"N" * (200 * K)
     f.write_bytes(new)
     assert f.read_bytes() == new
+
+
+def cached_bytes(path) -> int:
+    """Bytes of `path` in the page cache: mincore(2) over a mapping of it (which reads
+    nothing)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+    finally:
+        os.close(fd)
+    return min(size, sum(v & 1 for v in vec) * mmap.PAGESIZE)
+
+
+def test_a_cold_open_asks_for_the_whole_file(mount_factory):
+    """A file larger than one read request (1 MiB), opened for reading where its backing
+    path is not in the kernel's cache, has its data asked for by the open itself: the disk
+    starts on the whole file before the first read arrives. A smaller one is left to its
+    read, and a warm open (its path cached) asks for nothing."""
+    from kvfs.bench.harness import can_drop_caches, drop_caches
+
+    if not can_drop_caches():
+        pytest.skip("dropping the kernel's caches needs root")
+    m = mount_factory()
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    data = {"big": os.urandom(3 << 20), "small": os.urandom(256 * K)}
+    for name, d in data.items():
+        (m.mnt / "t" / name).write_bytes(d)
+    backing = {name: m.backing / "t" / name for name in data}
+    drop_caches(3, daemon_pid=m.pid())  # (nothing here opens a backing file before the mount)
+    fds = {name: os.open(m.mnt / "t" / name, os.O_RDONLY) for name in data}
+    try:
+        deadline = time.monotonic() + 10
+        while cached_bytes(backing["big"]) < len(data["big"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert cached_bytes(backing["big"]) == len(data["big"])  # no read was made
+        assert cached_bytes(backing["small"]) == 0
+        for name, d in data.items():
+            assert os.pread(fds[name], len(d) + 1, 0) == d
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    # Warm: the path is cached now, the open does no I/O and asks for nothing.
+    os.posix_fadvise(os.open(backing["big"], os.O_RDONLY), 0, 0, os.POSIX_FADV_DONTNEED)
+    assert cached_bytes(backing["big"]) == 0
+    fd = os.open(m.mnt / "t" / "big", os.O_RDONLY)
+    time.sleep(0.3)
+    os.close(fd)
+    assert cached_bytes(backing["big"]) == 0
 
 
 @pytest.mark.mount
