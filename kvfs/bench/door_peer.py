@@ -3,15 +3,16 @@
 What separates a FUSE mount from a plain directory is partly the FUSE channel (the kernel's
 requests, their round trips, the copies) and partly the daemon's own work. To tell the two
 apart on the machine measured, `kvfs bench door` replays the same patterns, in the same
-repeats, through the fastest general FUSE daemon there is to compare with: `passthrough_ll`,
-the low-level passthrough example libfuse ships with its development package (Debian's
-`libfuse3-dev`: /usr/share/doc/libfuse3-dev/examples), compiled here with the system's C
-compiler against the system's libfuse. It is multithreaded C that answers each request with
-the matching system call on the backing directory and keeps nothing of its own: no index, no
-accounting, no checks. It is mounted with `cache=always` (entry and attribute timeouts of a
-day and the page cache kept across opens, as kvfs keeps it), without the write-back cache
-(off in kvfs by default). A figure the peer misses too is out of reach for a FUSE daemon on
-this machine, whatever its language; the distance from the peer to kvfs is kvfs's own.
+repeats, through a FUSE daemon that does nothing but pass requests on, written in C by
+libfuse's authors: `passthrough_ll`, the low-level passthrough example libfuse ships with
+its development package (Debian's `libfuse3-dev`: /usr/share/doc/libfuse3-dev/examples),
+compiled here with the system's C compiler against the system's libfuse. It is multithreaded
+C that answers each request with the matching system call on the backing directory and keeps
+nothing of its own: no index, no accounting, no checks. It is mounted with `cache=always`
+(entry and attribute timeouts of a day and the page cache kept across opens, as kvfs keeps
+it), without the write-back cache (off in kvfs by default). A figure the peer misses too is
+out of reach for a FUSE daemon on this machine, whatever its language; the distance from the
+peer to kvfs is kvfs's own.
 """
 
 from __future__ import annotations
