@@ -17,8 +17,15 @@ control filesystem (every request waiting on it fails, the stuck thread gets its
 daemon's process ends) and, once the daemon is gone, detaches the dead mount so that the
 mount point can be mounted again (the next mount reconciles the index as after any crash).
 
-Run as `python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MOUNT_ID:MAJOR:MINOR` with the pipe on
-stdin.
+The watchdog knows its mount by more than what /proc/self/mountinfo shows: the kernel gives a
+mount made right after another is gone the same mount id and the same device number (both
+are the lowest free), so a watchdog that looked after its daemon had died only by those could
+take a new mount at the same mount point for its own, and abort and detach it. It also keeps
+the inode number of the mount's FUSE connection in the fuse control filesystem, which a new
+connection does not reuse, and leaves alone a mount whose connection is not that one.
+
+Run as `python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MOUNT_ID:MAJOR:MINOR[:CONNECTION_INODE]`
+with the pipe on stdin.
 Standard library only: it must start fast and never depend on the daemon's state.
 """
 
@@ -47,6 +54,9 @@ def start(mountpoint: str) -> int | None:
     dev = mount_device(mountpoint)
     if dev is None:
         return None
+    ino = connection_inode(dev)
+    if ino is not None:
+        dev = f"{dev}:{ino}"
     rfd, wfd = os.pipe2(os.O_CLOEXEC)
     env = dict(os.environ)  # this very kvfs, wherever the daemon's working directory is
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,6 +100,38 @@ def mount_device(mountpoint: str) -> str | None:
     return None if fields is None else f"{fields[0]}:{fields[2]}"
 
 
+def _connections() -> bool:
+    """Whether the fuse control filesystem is there (mounted here if not, as root)."""
+    try:
+        if os.listdir(CONNECTIONS):
+            return True
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mount(b"fusectl", CONNECTIONS.encode(), b"fusectl", 0, None)
+        return bool(os.listdir(CONNECTIONS))
+    except OSError:
+        return False
+
+
+def connection_inode(dev: str) -> int | None:
+    """The inode number of the FUSE connection of mount `dev` (MOUNT_ID:MAJOR:MINOR) in the
+    fuse control filesystem, or None where it cannot be seen."""
+    if not _connections():
+        return None
+    try:
+        return os.stat(f"{CONNECTIONS}/{dev.split(':')[2]}").st_ino
+    except OSError:
+        return None
+
+
+def same_mount(mountpoint: str, dev: str) -> bool:
+    """Whether the newest mount at `mountpoint` is the one `start` saw (`dev`: its mount id,
+    device number and, where known, the inode of its connection)."""
+    parts = dev.split(":")
+    if mount_device(mountpoint) != ":".join(parts[:3]):
+        return False
+    return len(parts) < 4 or str(connection_inode(dev)) == parts[3]
+
+
 def _running(stat_path: str) -> bool:
     """Whether the thread whose /proc stat file this is runs (not a zombie, not dead)."""
     try:
@@ -119,10 +161,8 @@ def _say(text: str) -> None:
 
 
 def _abort(dev: str) -> bool:
-    libc = ctypes.CDLL(None, use_errno=True)
+    _connections()
     try:
-        if not os.listdir(CONNECTIONS):
-            libc.mount(b"fusectl", CONNECTIONS.encode(), b"fusectl", 0, None)
         with open(f"{CONNECTIONS}/{dev.split(':')[2]}/abort", "w") as f:
             f.write("1")
     except OSError as exc:
@@ -153,8 +193,8 @@ def watch(daemon: int, mountpoint: str, dev: str) -> int:
     ready, _, _ = select.select([0], [], [], 0)
     if ready and os.read(0, len(CLEAN)) == CLEAN:
         return 0  # a clean stop: the daemon has closed its session itself
-    if mount_device(mountpoint) != dev:
-        return 0  # unmounted already
+    if not same_mount(mountpoint, dev):
+        return 0  # unmounted already (and maybe mounted again: not this watchdog's mount)
     _say(f"the daemon (pid {daemon}) of {mountpoint} ended without unmounting: aborting its "
          "connection and detaching the mount")
     _abort(dev)
@@ -164,14 +204,15 @@ def watch(daemon: int, mountpoint: str, dev: str) -> int:
     if alive(daemon):
         _say(f"the daemon (pid {daemon}) is still there; leaving {mountpoint} mounted")
         return 1
-    if mount_device(mountpoint) == dev:
+    if same_mount(mountpoint, dev):
         _detach(mountpoint)
     return 0
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 4:
-        print("usage: python -m kvfs.watchdog DAEMON_PID MOUNTPOINT MOUNT_ID:MAJOR:MINOR",
+        print("usage: python -m kvfs.watchdog DAEMON_PID MOUNTPOINT "
+              "MOUNT_ID:MAJOR:MINOR[:CONNECTION_INODE]",
               file=sys.stderr)
         sys.exit(2)
     sys.exit(watch(int(sys.argv[1]), sys.argv[2], sys.argv[3]))

@@ -288,3 +288,44 @@ def test_sigkill_while_a_notification_waits_on_a_lookup(mount_factory, monkeypat
     m.start()
     assert sorted(os.listdir(fan)) == ["f2", "f3"]  # f0 and f1 made room for g
     assert (m.mnt / "t" / "ns" / "g").read_bytes() == b"y" * (300 << 10)
+
+
+def watchdog_of(pid: int) -> int | None:
+    """The pid of daemon `pid`'s watchdog process (`python -m kvfs.watchdog PID ...`)."""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if b"kvfs.watchdog" in argv and str(pid).encode() in argv:
+            return int(entry)
+    return None
+
+
+def test_a_late_watchdog_leaves_a_new_mount_alone(mount_factory):
+    """The kernel gives a mount made right after another is gone the same mount id and device
+    number. A dead daemon's watchdog that acts late (stopped here until the mount point is
+    mounted again) must not take the new mount for its daemon's: it leaves it serving."""
+    m = mount_factory()
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    pid = m.pid()
+    assert wait(lambda: watchdog_of(pid) is not None, 10)
+    dog = watchdog_of(pid)
+    before = watchdog.mount_device(str(m.mnt))
+    os.kill(dog, signal.SIGSTOP)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        assert wait(lambda: not threads_alive(pid), 30), "the daemon did not end"
+        force_unmount(m.mnt)
+        m.start()
+        if watchdog.mount_device(str(m.mnt)) != before:
+            pytest.skip("this kernel gave the new mount another mount id or device number")
+    finally:
+        os.kill(dog, signal.SIGCONT)
+    assert wait(lambda: not threads_alive(dog), 30), "the old watchdog did not end"
+    assert mounted(m.mnt) and m.pid() != pid
+    (m.mnt / "t" / "f").write_bytes(b"still here")
+    assert (m.mnt / "t" / "f").read_bytes() == b"still here"
