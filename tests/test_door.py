@@ -3,7 +3,6 @@ limits stay exact, errors reach the writer, nothing stale is ever served."""
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import mmap
 import os
@@ -11,7 +10,7 @@ import time
 
 import pytest
 
-from .conftest import kvfs
+from .conftest import kvfs, resident_pages
 
 K = 1024
 WB = ["--writeback-cache"]
@@ -182,26 +181,8 @@ def test_evicted_then_recreated_reads_new_content(mount_factory):
 
 
 def cached_bytes(path) -> int:
-    """Bytes of `path` in the page cache: mincore(2) over a mapping of it (which reads
-    nothing)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    size = os.path.getsize(path)
-    pages = -(-size // mmap.PAGESIZE)
-    vec = (ctypes.c_ubyte * pages)()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
-        try:
-            assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0
-        finally:
-            libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
-    finally:
-        os.close(fd)
-    return min(size, sum(v & 1 for v in vec) * mmap.PAGESIZE)
+    """Bytes of `path` in the page cache (conftest.resident_pages: mincore, reads nothing)."""
+    return min(os.path.getsize(path), resident_pages(path) * mmap.PAGESIZE)
 
 
 def test_a_cold_open_asks_for_the_whole_file(mount_factory):

@@ -74,7 +74,7 @@ from .harness import (
     can_drop_caches,
     conditions,
     conditions_after,
-    cpu_ticks,
+    cpu_seconds,
     drop_caches,
     median,
 )
@@ -147,7 +147,7 @@ class Side:
         self.own = {k: v - a.get(k, 0) for k, v in self.counters()["requests"].items()}
 
     def cpu_s(self) -> float:
-        return cpu_ticks(self.pid) / os.sysconf("SC_CLK_TCK")
+        return cpu_seconds(self.pid)
 
     def counters(self) -> dict[str, Any]:
         """Requests by kind (stats.json `requests`; {} from a daemon that does not count

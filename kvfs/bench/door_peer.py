@@ -23,7 +23,7 @@ import subprocess
 import time
 from typing import Any
 
-from .harness import cpu_ticks
+from .harness import cpu_seconds
 
 EXAMPLES = "/usr/share/doc/libfuse3-dev/examples"
 SOURCE = "passthrough_ll.c"
@@ -95,8 +95,7 @@ class PeerSide:
 
     def counters(self) -> dict[str, Any]:
         """CPU seconds of the peer's process (it counts no requests of its own)."""
-        return {"requests": {}, "bytes": 0, "cpu_s": cpu_ticks(self.pid) / os.sysconf(
-            "SC_CLK_TCK")}
+        return {"requests": {}, "bytes": 0, "cpu_s": cpu_seconds(self.pid)}
 
     def since(self, before: dict[str, Any]) -> dict[str, Any]:
         return {"requests": {}, "bytes": 0,

@@ -430,6 +430,11 @@ def cpu_ticks(pid: int) -> int:
     return int(fields[11]) + int(fields[12]) if len(fields) > 12 else 0
 
 
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds process `pid` has used (:func:`cpu_ticks` in seconds)."""
+    return cpu_ticks(pid) / os.sysconf("SC_CLK_TCK")
+
+
 def settle(pid: int, limit: float = 120.0, step: float = 0.2, idle_ticks: int = 1) -> float:
     """Wait until process `pid` (a daemon) is idle: at most `idle_ticks` ticks over `step`
     seconds (dropping the kernel's dentries sends a daemon one FORGET per inode, which it
