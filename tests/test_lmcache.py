@@ -131,15 +131,45 @@ def test_bench_backends_writes_a_record(tmp_path):
     for r in rows.values():
         assert r["kvfs"] > 0 and r["baseline"] > 0 and r["verified_baseline"] > 0
         assert r["ratio"] == pytest.approx(r["kvfs"] / r["baseline"], rel=0.01)
+        # Both against the physical floor measured in the same run.
+        assert r["floor_name"] == "raw preadv/pwritev on ext4" and r["floor"] > 0
+        assert r["ratio_floor"] == pytest.approx(r["kvfs"] / r["floor"], rel=0.01)
+        assert r["baseline_ratio_floor"] == pytest.approx(r["baseline"] / r["floor"],
+                                                          rel=0.01)
     res = record["results"]["lmcache"]
     assert set(res) >= {"kvfs backend", "LocalDiskBackend on ext4",
-                        "LocalDiskBackend + xxh3 on ext4", "first_pass"}
+                        "LocalDiskBackend + xxh3 on ext4", "raw preadv/pwritev on ext4",
+                        "first_pass"}
     assert all(r["bytes"] == 16 << 20 and r["set_s"] > 0 and r["get_warm_s"] > 0
                for n, r in res.items() if n not in ("first_pass", "passes"))
     kvfs_sets = [p["kvfs backend"]["set_s"] for p in res["passes"]]
     assert len(kvfs_sets) == 2 and res["kvfs backend"]["set_s"] == pytest.approx(
         sum(kvfs_sets) / 2)  # the median of two passes
     assert record["params"]["passes"] == 2
+
+
+def test_the_physical_floor_moves_the_chunks_bytes(tmp_path):
+    """The benchmark's physical floor (``backend: raw``): each set writes every chunk's bytes,
+    as LMCache holds them, to a file of its own, and the gets read them back (a floor that
+    timed anything less would flatter every backend beside it)."""
+    from kvfs.integrations.drive import _seeded, _sha
+
+    r = drive("lmcache", [{"backend": "raw", "dir": str(tmp_path), "model": "org/model",
+                           "layers": 4, "chunk_size": 16, "heads": 2, "head_dim": 64,
+                           "dtype": "bfloat16", "count": N, "seed": "r", "repeats": 2,
+                           "ops": ["bench"]}])[0]
+    assert "error" not in r, r
+    chunk = 2 * 4 * 16 * 2 * 64 * 2
+    assert r["bench"]["bytes"] == N * chunk
+    assert r["bench"]["set_s"] > 0 and r["bench"]["get_warm_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{rep}-{i}" for rep in range(2) for i in range(N))
+    import hashlib
+
+    for i in range(N):
+        want = _sha(_seeded(f"r/{i}", chunk))
+        for rep in range(2):
+            assert hashlib.sha256((tmp_path / f"{rep}-{i}").read_bytes()).hexdigest() == want
 
 
 def test_a_bench_plan_removes_what_it_wrote(mount, tmp_path):

@@ -127,3 +127,26 @@ def test_a_batch_larger_than_the_cache_stores_a_prefix(mount_factory):
     # possibly between the lookup and the load).
     assert 0 < r["got"] <= r["exists"] <= stored
     assert r["get_sha"] == r["put_sha"][:r["got"]]
+
+
+def test_the_physical_floor_moves_the_pages_bytes(tmp_path):
+    """The benchmark's physical floor (``backend: raw``): each set writes every page's bytes
+    from where the host pool holds them to a file of its own, and the gets read them back."""
+    import hashlib
+
+    from kvfs.integrations.drive import _seeded, _sha
+
+    r = drive("sglang", [{"backend": "raw", "dir": str(tmp_path), "model": "org/model",
+                          "layers": 4, "page_size": 16, "heads": 2, "head_dim": 64,
+                          "dtype": "bfloat16", "layout": "page_first", "count": N,
+                          "seed": "r", "repeats": 2, "ops": ["bench"]}])[0]
+    assert "error" not in r, r
+    page = r["page_bytes"]
+    assert page == 4 * 16 * 2 * 2 * 64 * 2 and r["bench"]["bytes"] == N * page
+    assert r["bench"]["set_s"] > 0 and r["bench"]["get_warm_s"] > 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        f"{rep}-{i}" for rep in range(2) for i in range(N))
+    for i in range(N):
+        want = _sha(_seeded(f"r/{i}", page))
+        for rep in range(2):
+            assert hashlib.sha256((tmp_path / f"{rep}-{i}").read_bytes()).hexdigest() == want

@@ -114,8 +114,13 @@ def _plans(engine: str, mnt: str, plain: str, total_mib: int, repeats: int, cold
     names.append(f"{own} + xxh3 on ext4")
     plans.append(base | {"backend": "file", "dir": os.path.join(plain, f"{engine}-xxh3"),
                          "seed": "h", "hash": "xxh3_64"})
+    # The physical floor: the same bytes, one file each, threaded pwritev / preadv and
+    # nothing else (no engine code, no index, no hash).
+    names.append("raw preadv/pwritev on ext4")
+    plans.append(base | {"backend": "raw", "dir": os.path.join(plain, f"{engine}-raw"),
+                         "seed": "r"})
     for p in plans:
-        if p["backend"] == "file":
+        if p["backend"] in ("file", "raw"):
             os.makedirs(p["dir"], exist_ok=True)
     return names, plans
 
@@ -177,6 +182,7 @@ def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]]
           ) -> list[dict[str, Any]]:
     own, mount, kvfs, sampled = names[:4]
     hashed = names[4] if len(names) > 4 else None
+    floor = names[5] if len(names) > 5 else None
     rows = []
     for what, key in (("set", "set_s"), ("get warm", "get_warm_s"), ("get cold", "get_cold_s")):
         if key not in res[kvfs]:
@@ -198,6 +204,15 @@ def _rows(engine: str, names: list[str], res: dict[str, dict[str, float]]
             note = (f"vs {hashed}: {gbps[hashed]:.3f} GB/s, kvfs {rh:.2f}x of it "
                     f"(the hash alone costs the file backend "
                     f"{1 - gbps[hashed] / gbps[own]:.0%}); " + note)
+        if floor is not None:
+            # Both against the physical floor: what the same bytes cost with nothing but
+            # the system calls.
+            row |= {"floor": round(gbps[floor], 3), "floor_name": floor,
+                    "ratio_floor": round(gbps[kvfs] / gbps[floor], 3),
+                    "baseline_ratio_floor": round(gbps[own] / gbps[floor], 3)}
+            note = (f"physical floor ({floor}): {gbps[floor]:.3f} GB/s, kvfs "
+                    f"{gbps[kvfs] / gbps[floor]:.2f}x of it, {own} "
+                    f"{gbps[own] / gbps[floor]:.2f}x; " + note)
         cpu = key.replace("_s", "_cpu_s")
         if all(cpu in res[n] for n in names):
             # CPU seconds of the engine's process (the daemon's are not in kvfs's): what each

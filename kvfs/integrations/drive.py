@@ -2,11 +2,11 @@
 
 Used by the tests (tests/test_sglang.py, tests/test_lmcache.py) and by ``kvfs bench backends``,
 which run ``<venv>/bin/python -m kvfs.integrations.drive <engine> '<json plan>'`` and read one
-JSON object from the last line of its output. A plan says which backend (``kvfs``, or the
-engine's own file backend on a directory), which pages or chunks (a seed, a count, a page
-size) and what to do with them (``put``, ``exists``, ``get``, ``bench``, and ``clean``: remove
-what the backend wrote); a list of plans runs one after the other in the same process, each
-answering its error if it raises.
+JSON object from the last line of its output. A plan says which backend (``kvfs``, the
+engine's own file backend on a directory, or ``raw``: :class:`RawFiles`), which pages or
+chunks (a seed, a count, a page size) and what to do with them (``put``, ``exists``,
+``get``, ``bench``, and ``clean``: remove what the backend wrote); a list of plans runs one
+after the other in the same process, each answering its error if it raises.
 Data are pseudo-random bytes from the seed; the answer carries the sha256 of each page or
 chunk written or read, so a test compares what one process wrote with what another read.
 
@@ -37,12 +37,14 @@ import shutil
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 import xxhash
 
 from kvfs.integrations._common import key_hash, runs
+from kvfs.transport import preadv_all, pwritev_all
 
 STORAGE_BATCH = 128  # pages per call, as SGLang's controller batches them
 
@@ -67,6 +69,44 @@ def _drop_caches() -> None:
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3")
     time.sleep(0.5)  # let the mount's daemon take the kernel's forgets first
+
+
+class RawFiles:
+    """The physical floor of a file backend (``backend: raw``): each page or chunk one file
+    of a directory, written with one ``pwritev`` and read with one ``preadv`` of its bytes
+    where the engine holds them, by a pool of 4 threads (LocalDiskBackend's I/O pool), and
+    nothing else: no index, no header, no hash, no engine code."""
+
+    def __init__(self, directory: str, threads: int = 4) -> None:
+        self.dir = directory
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raw-io")
+
+    def _path(self, rep: int, i: int) -> str:
+        return os.path.join(self.dir, f"{rep}-{i}")
+
+    def put(self, rep: int, items: list[list[memoryview]]) -> None:
+        def one(i: int) -> None:
+            fd = os.open(self._path(rep, i), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                         | os.O_CLOEXEC, 0o644)
+            try:
+                pwritev_all(fd, items[i], 0)
+            finally:
+                os.close(fd)
+        list(self.pool.map(one, range(len(items))))
+
+    def get(self, items: list[list[memoryview]]) -> None:
+        def one(i: int) -> None:
+            fd = os.open(self._path(0, i), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                want = sum(v.nbytes for v in items[i])
+                if preadv_all(fd, items[i], 0) != want:
+                    raise RuntimeError(f"{self._path(0, i)}: short")
+            finally:
+                os.close(fd)
+        list(self.pool.map(one, range(len(items))))
+
+    def close(self) -> None:
+        self.pool.shutdown()
 
 
 # -- SGLang --------------------------------------------------------------------------------
@@ -158,7 +198,8 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
     from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo  # noqa: PLC0415
 
     pool = _sglang_pool(plan)
-    backend = _sglang_backend(plan, pool)
+    raw = plan["backend"] == "raw"
+    backend = RawFiles(plan["dir"]) if raw else _sglang_backend(plan, pool)
     ps, n, seed = plan["page_size"], plan["count"], plan["seed"]
     keys = page_keys(seed, n)
     zero_copy = plan.get("zero_copy", plan["backend"] == "kvfs")
@@ -234,7 +275,12 @@ def _sglang(plan: dict[str, Any]) -> dict[str, Any]:
             # LMCache's chunks are made first): a set from memory never touched reads zero
             # pages through page faults, which the first backend of a process paid for.
             fill()
-            if plan.get("hash"):
+            if raw:  # the physical floor: the pages' bytes where they are, to files
+                items = [[_page_bytes(r) for r in runs(pool.get_data_page(f, flat=False))]
+                         for f in firsts]
+                out["bench"] = _bench(plan, lambda rep, items=items: backend.put(rep, items),
+                                      lambda items=items: backend.get(items), n * page_bytes)
+            elif plan.get("hash"):
                 # The verified-store floor: the file backend's own set and get plus one
                 # xxh3_64 pass over every page's bytes in the calling thread (a set
                 # checksums its pages before it hands them over; a get hashes what it read).
@@ -272,7 +318,7 @@ def _clean(plan: dict[str, Any], backend: Any) -> None:
     """Remove what the plan's backend wrote (a benchmark's passes would fill the disk): the
     file backend's directory's entries, or the kvfs namespace's fan-out directories, through
     the mount (kvfs accounts for them)."""
-    file = plan["backend"] == "file"
+    file = plan["backend"] in ("file", "raw")
     with os.scandir(plan["dir"] if file else backend.cache.ns_dir) as it:
         for entry in it:
             if entry.is_dir(follow_symlinks=False):
@@ -368,6 +414,8 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
             "storage_plugin.kvfs.class_name": "KVFSBackend",
             "kvfs.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
             **plan.get("extra", {})}}
+    elif plan["backend"] == "raw":  # LMCache's CPU backend only, as the allocator
+        name = "LocalCPUBackend"
     else:
         name = "LocalDiskBackend"
         cfg |= {"local_disk": plan["dir"], "max_local_disk_size": plan.get("disk_gb", 4.0)}
@@ -469,12 +517,31 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
             time.sleep(plan.get("sleep", 1.0))
         elif op == "bench":
             objs = filled()  # made before the clock starts, as the pages are for SGLang
-            if plan.get("hash"):
-                # The verified-store floor: the file backend's own set and get, with one
-                # xxh3_64 pass over every chunk's bytes in the thread that writes or reads it.
-                _hash_in_io_threads(backend)
-            out["bench"] = _bench(plan, lambda rep, objs=objs: put_keys(keys_of(rep), objs),
-                                  get_all, n * chunk_bytes)
+            if name == "LocalCPUBackend":
+                # The physical floor: the chunks' bytes to files, and read back into
+                # memory objects of LMCache's allocator (allocated in the clock, as every
+                # backend's get allocates them).
+                raw = RawFiles(plan["dir"])
+
+                def raw_get(raw: RawFiles = raw) -> None:
+                    got = [manager.allocate(shapes, dtypes, MemoryFormat.KV_2LTD)
+                           for _ in keys]
+                    raw.get([[memoryview(o.byte_array)] for o in got])
+                    for o in got:
+                        o.ref_count_down()
+
+                items = [[memoryview(o.byte_array)] for o in objs]
+                out["bench"] = _bench(plan, lambda rep, raw=raw, items=items: raw.put(
+                    rep, items), raw_get, n * chunk_bytes)
+                raw.close()
+            else:
+                if plan.get("hash"):
+                    # The verified-store floor: the file backend's own set and get, with one
+                    # xxh3_64 pass over every chunk's bytes in the thread doing its I/O.
+                    _hash_in_io_threads(backend)
+                out["bench"] = _bench(plan, lambda rep, objs=objs: put_keys(keys_of(rep),
+                                                                            objs),
+                                      get_all, n * chunk_bytes)
             for o in objs:
                 o.ref_count_down()
         elif op == "stats":
