@@ -188,3 +188,21 @@ def test_a_bench_plan_removes_what_it_wrote(mount, tmp_path):
         (1, True)], namespaces(mount)
     assert not list(disk.iterdir())
     assert not list(tmp_path.glob(".kvfs-bench-engines-*"))  # the mount and its data gone
+
+
+def test_a_get_larger_than_lmcaches_memory_is_a_prefix_not_a_hang(mount):
+    """A get of more chunks than LMCache's CPU memory can hold (here 6 chunks, room for 3):
+    LMCache's own allocator would wait for room without end; the kvfs backend returns the
+    chunks it has room for, byte-identical, and the rest are misses, within seconds."""
+    import time
+
+    add_tenant(mount)
+    put = drive("lmcache", [plan(mount, "m", ["put"])])[0]
+    assert "error" not in put, put
+    chunk = 2 * 4 * 16 * 2 * 64 * 2
+    t = time.monotonic()
+    got = drive("lmcache", [plan(mount, "m", ["bget"], cpu_gb=3.5 * chunk / 2**30)],
+                timeout=120)[0]
+    assert "error" not in got, got
+    assert got["got"] == 3 and got["get_sha"] == put["put_sha"][:3]
+    assert time.monotonic() - t < 60
