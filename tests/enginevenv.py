@@ -41,6 +41,30 @@ def drive(engine: str, plans: list[dict[str, Any]], timeout: float = 600) -> lis
     return out
 
 
+def check_raw_floor(engine: str, directory: Path, unit_bytes: int,
+                    plan: dict[str, Any]) -> None:
+    """Run the benchmark's physical floor (``backend: raw``, 2 repeats) on ``plan``'s pages
+    or chunks of ``unit_bytes`` into ``directory`` and check that it moved every byte: each
+    set wrote each page or chunk, as the engine holds it, to a file of its own (a floor that
+    timed anything less would flatter every backend beside it)."""
+    import hashlib
+
+    from kvfs.integrations.drive import _seeded, _sha
+
+    n = plan["count"]
+    r = drive(engine, [plan | {"backend": "raw", "dir": str(directory), "seed": "r",
+                               "repeats": 2, "ops": ["bench"]}])[0]
+    assert "error" not in r, r
+    assert r["bench"]["bytes"] == n * unit_bytes
+    assert r["bench"]["set_s"] > 0 and r["bench"]["get_warm_s"] > 0
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        f"{rep}-{i}" for rep in range(2) for i in range(n))
+    for i in range(n):
+        want = _sha(_seeded(f"r/{i}", unit_bytes))
+        for rep in range(2):
+            assert hashlib.sha256((directory / f"{rep}-{i}").read_bytes()).hexdigest() == want
+
+
 def block_file(root: Path, name: str) -> Path:
     """The one file of block ``name`` (32 hex) under ``root`` (a tenant, in the mount or the
     backing directory)."""

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from .conftest import Mount, kvfs
-from .enginevenv import block_file, corrupt, drive, engines_python
+from .enginevenv import block_file, check_raw_floor, corrupt, drive, engines_python
 from .s3server import s3  # noqa: F401 - the fixture
 
 TENANT = "t"
@@ -149,27 +149,11 @@ def test_bench_backends_writes_a_record(tmp_path):
 
 
 def test_the_physical_floor_moves_the_chunks_bytes(tmp_path):
-    """The benchmark's physical floor (``backend: raw``): each set writes every chunk's bytes,
-    as LMCache holds them, to a file of its own, and the gets read them back (a floor that
-    timed anything less would flatter every backend beside it)."""
-    from kvfs.integrations.drive import _seeded, _sha
-
-    r = drive("lmcache", [{"backend": "raw", "dir": str(tmp_path), "model": "org/model",
-                           "layers": 4, "chunk_size": 16, "heads": 2, "head_dim": 64,
-                           "dtype": "bfloat16", "count": N, "seed": "r", "repeats": 2,
-                           "ops": ["bench"]}])[0]
-    assert "error" not in r, r
-    chunk = 2 * 4 * 16 * 2 * 64 * 2
-    assert r["bench"]["bytes"] == N * chunk
-    assert r["bench"]["set_s"] > 0 and r["bench"]["get_warm_s"] > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"{rep}-{i}" for rep in range(2) for i in range(N))
-    import hashlib
-
-    for i in range(N):
-        want = _sha(_seeded(f"r/{i}", chunk))
-        for rep in range(2):
-            assert hashlib.sha256((tmp_path / f"{rep}-{i}").read_bytes()).hexdigest() == want
+    """The benchmark's physical floor: LMCache's chunks, from and into memory objects of its
+    allocator."""
+    check_raw_floor("lmcache", tmp_path, 2 * 4 * 16 * 2 * 64 * 2,
+                    {"model": "org/model", "layers": 4, "chunk_size": 16, "heads": 2,
+                     "head_dim": 64, "dtype": "bfloat16", "count": N})
 
 
 def test_a_bench_plan_removes_what_it_wrote(mount, tmp_path):

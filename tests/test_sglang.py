@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from .conftest import Mount, kvfs
-from .enginevenv import block_file, corrupt, drive, engines_python
+from .enginevenv import block_file, check_raw_floor, corrupt, drive, engines_python
 from .s3server import s3  # noqa: F401 - the fixture
 
 TENANT = "t"
@@ -130,23 +130,7 @@ def test_a_batch_larger_than_the_cache_stores_a_prefix(mount_factory):
 
 
 def test_the_physical_floor_moves_the_pages_bytes(tmp_path):
-    """The benchmark's physical floor (``backend: raw``): each set writes every page's bytes
-    from where the host pool holds them to a file of its own, and the gets read them back."""
-    import hashlib
-
-    from kvfs.integrations.drive import _seeded, _sha
-
-    r = drive("sglang", [{"backend": "raw", "dir": str(tmp_path), "model": "org/model",
-                          "layers": 4, "page_size": 16, "heads": 2, "head_dim": 64,
-                          "dtype": "bfloat16", "layout": "page_first", "count": N,
-                          "seed": "r", "repeats": 2, "ops": ["bench"]}])[0]
-    assert "error" not in r, r
-    page = r["page_bytes"]
-    assert page == 4 * 16 * 2 * 2 * 64 * 2 and r["bench"]["bytes"] == N * page
-    assert r["bench"]["set_s"] > 0 and r["bench"]["get_warm_s"] > 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        f"{rep}-{i}" for rep in range(2) for i in range(N))
-    for i in range(N):
-        want = _sha(_seeded(f"r/{i}", page))
-        for rep in range(2):
-            assert hashlib.sha256((tmp_path / f"{rep}-{i}").read_bytes()).hexdigest() == want
+    """The benchmark's physical floor: the pages' bytes where the host pool holds them."""
+    check_raw_floor("sglang", tmp_path, 4 * 16 * 2 * 2 * 64 * 2,
+                    {"model": "org/model", "layers": 4, "page_size": 16, "heads": 2,
+                     "head_dim": 64, "dtype": "bfloat16", "layout": "page_first", "count": N})
