@@ -110,6 +110,7 @@ class KVFSBackend(StoragePluginInterface):
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="kvfs-lmcache-put")
         self._reader = ThreadPoolExecutor(2, thread_name_prefix="kvfs-lmcache-get")
         self.skipped_puts = 0
+        self._batched = True  # LMCache's allocator takes a get's chunks in one call
         log.info("kvfs LMCache backend: %s, chunks of %d bytes", self.cache, self.chunk_bytes)
 
     def __str__(self) -> str:
@@ -212,9 +213,16 @@ class KVFSBackend(StoragePluginInterface):
         one call where they fit as they are (a third of the time of ``n`` calls), else one by
         one through the CPU backend, which evicts from LMCache's CPU cache to make room (the
         CPU backend's batched form evicts as for layer-wise objects, which these are not)."""
-        batched = getattr(self.local_cpu_backend.memory_allocator, "batched_allocate", None)
+        batched = getattr(self.local_cpu_backend, "memory_allocator", None)
+        batched = getattr(batched, "batched_allocate", None) if self._batched else None
         if n > 1 and batched is not None:
-            got = batched(self.shapes, self.dtypes, n, self.fmt)
+            try:
+                got = batched(self.shapes, self.dtypes, n, self.fmt)
+            except Exception as exc:  # noqa: BLE001 - an allocator without this form
+                log.info("kvfs: LMCache's allocator has no batched form here (%s): "
+                         "allocating one chunk at a time", exc)
+                self._batched = False
+                got = None
             if got is not None:
                 return list(got)
         objs: list[MemoryObj] = []
