@@ -100,7 +100,7 @@ def mount_device(mountpoint: str) -> str | None:
     return None if fields is None else f"{fields[0]}:{fields[2]}"
 
 
-def _connections() -> bool:
+def connections_mounted() -> bool:
     """Whether the fuse control filesystem is there (mounted here if not, as root)."""
     try:
         if os.listdir(CONNECTIONS):
@@ -115,7 +115,7 @@ def _connections() -> bool:
 def connection_inode(dev: str) -> int | None:
     """The inode number of the FUSE connection of mount `dev` (MOUNT_ID:MAJOR:MINOR) in the
     fuse control filesystem, or None where it cannot be seen."""
-    if not _connections():
+    if not connections_mounted():
         return None
     try:
         return os.stat(f"{CONNECTIONS}/{dev.split(':')[2]}").st_ino
@@ -161,7 +161,7 @@ def _say(text: str) -> None:
 
 
 def _abort(dev: str) -> bool:
-    _connections()
+    connections_mounted()
     try:
         with open(f"{CONNECTIONS}/{dev.split(':')[2]}/abort", "w") as f:
             f.write("1")

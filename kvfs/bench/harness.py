@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .. import watchdog
 from .seaweed import CLIENT_ENV, REGION, S3Server, free_ports, weed_binary
 
 __all__ = ["CLIENT_ENV", "REGION", "S3Server", "free_ports", "weed_binary"]
@@ -293,18 +294,12 @@ def abort_connection(mnt: str | Path) -> None:
     it. A daemon killed with SIGKILL can be left unable to exit: a thread of it inside a kernel
     notification waits on a directory lock that a request it will never answer holds; the
     connection then lives on, and processes using the mount hang, until it is aborted."""
-    dev = None
-    for line in read_text("/proc/self/mountinfo").splitlines():  # (stat of it could hang)
-        fields = line.split()
-        if len(fields) > 4 and fields[4] == str(mnt):
-            dev = fields[2]
+    dev = watchdog.mount_device(str(mnt))  # from mountinfo: a stat of it could hang
     if dev is None:
         return
-    conns = "/sys/fs/fuse/connections"
-    with contextlib.suppress(OSError):
-        if not os.listdir(conns):
-            subprocess.run(["mount", "-t", "fusectl", "none", conns], capture_output=True)
-    with contextlib.suppress(OSError), open(f"{conns}/{dev.split(':')[1]}/abort", "w") as f:
+    watchdog.connections_mounted()
+    with contextlib.suppress(OSError), open(
+            f"{watchdog.CONNECTIONS}/{dev.split(':')[2]}/abort", "w") as f:
         f.write("1")
 
 

@@ -210,11 +210,12 @@ class KVFSBackend(StoragePluginInterface):
 
     def _allocate(self, n: int, busy_loop: bool = True) -> list[MemoryObj]:
         """``n`` memory objects of LMCache's CPU allocator (fewer where it has no room): in
-        one call where they fit as they are (a third of the time of ``n`` calls), else one by
-        one through the CPU backend, which evicts from LMCache's CPU cache to make room (the
-        CPU backend's batched form evicts as for layer-wise objects, which these are not)."""
-        batched = getattr(self.local_cpu_backend, "memory_allocator", None)
-        batched = getattr(batched, "batched_allocate", None) if self._batched else None
+        one call where they fit as they are (64 chunks of 4 MiB: 0.67 ms against 1.76 ms in
+        64 calls, LMCache 0.5.6, medians of 30 on a 2-core VM), else one by one through the
+        CPU backend, which evicts from LMCache's CPU cache to make room (the CPU backend's
+        batched form evicts as for layer-wise objects, which these are not)."""
+        allocator = getattr(self.local_cpu_backend, "memory_allocator", None)
+        batched = getattr(allocator, "batched_allocate", None) if self._batched else None
         if n > 1 and batched is not None:
             try:
                 got = batched(self.shapes, self.dtypes, n, self.fmt)
