@@ -1,11 +1,18 @@
-"""The one native piece of kvfs: kvfs._fastread, the host load path without the GIL.
+"""The native pieces of kvfs, both optional.
 
-Everything else is in pyproject.toml. It builds against the xxhash header (Debian/Ubuntu:
-libxxhash-dev, installed by tools/setup.sh) with the compiler that builds pyfuse3; where it
-cannot, kvfs installs without it and loads blocks with the same reads in Python.
+- kvfs._fastread, the host load path without the GIL. It builds against the xxhash header
+  (Debian/Ubuntu: libxxhash-dev, installed by tools/setup.sh) with the compiler that builds
+  pyfuse3; where it cannot, kvfs installs without it and loads blocks with the same reads in
+  Python.
+- kvfs._passthrough, the FUSE passthrough fields of the replies libfuse 3.14 cannot write.
+  Without it the daemon serves every byte itself (docs/architecture.md, "The mount door").
+
+Everything else is in pyproject.toml.
 """
 
 from setuptools import Extension, setup
+
+WARNINGS = ["-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
 
 setup(
     ext_modules=[
@@ -15,8 +22,15 @@ setup(
             # Without a compiler or the header kvfs still installs, and loads in Python
             # (slower: docs/architecture.md); tests/test_fastread.py fails where it must build.
             optional=True,
-            extra_compile_args=["-O3", "-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
-                                "-Wno-missing-field-initializers"],
-        )
+            extra_compile_args=["-O3", "-std=c11", *WARNINGS],
+        ),
+        Extension(
+            "kvfs._passthrough",
+            ["kvfs/_passthrough.c"],
+            # Without it every open takes the daemon's own path (tests/test_passthrough.py
+            # fails where it must build).
+            optional=True,
+            extra_compile_args=["-O2", *WARNINGS],
+        ),
     ]
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .index import Index, Node
@@ -44,6 +44,10 @@ class OpenFile:
     mtime_ns: int = 0
     dirty: bool = False
     saved: tuple[int, int] = (0, 0)  # (size, mtime_ns) as last written to the index
+    passthrough: int = 0  # handles whose reads and writes the kernel does (kvfs.passthrough)
+    # The backing fds of its writable passthrough handles: the kernel writes them without
+    # telling the daemon, so their size and times are read with fstat (`live`).
+    pt_fds: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -60,6 +64,7 @@ class Handle:
     next_off: int = 0  # where a sequential reader reads next
     written: bool = False  # changed the file since its last flush
     ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
+    passthrough: bool = False  # the kernel reads and writes its backing file itself
 
 
 def backing_flags(flags: int) -> int:
@@ -231,6 +236,13 @@ class OpenFiles:
         if of.handles == 0:
             del self.files[h.inode]
         return of, changed
+
+    def live(self, of: OpenFile) -> None:
+        """A file written through passthrough: its size and mtime as the backing file has
+        them now (fstat of an open fd: no disk I/O, fine on the event loop)."""
+        if of.pt_fds:
+            st = os.fstat(of.pt_fds[0])
+            of.size, of.mtime_ns = st.st_size, st.st_mtime_ns
 
     def read_cached(self, h: Handle, off: int, size: int) -> memoryview | None:
         """Bytes already in the page cache, read on the event loop without blocking
