@@ -31,6 +31,7 @@ from .commands import Commands
 from .handlers import handler
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
+from .passthrough import PASS_HEADROOM
 from .promotion import Promotion
 from .reclaim import Reclaim
 from .settings import DEFAULTS
@@ -62,6 +63,7 @@ class Operations(pyfuse3.Operations):
         audit: Audit | None = None,
         writeback_cache: bool = DEFAULTS["writeback_cache"],
         keep_cache: bool = DEFAULTS["keep_cache"],
+        passthrough: bool = DEFAULTS["passthrough"],
     ) -> None:
         super().__init__()
         self.enable_writeback_cache = writeback_cache  # read by pyfuse3 when it mounts
@@ -69,7 +71,8 @@ class Operations(pyfuse3.Operations):
         # what: all on the event loop, between awaits, no locks).
         self.tree = tree = Tree(index, store, info, owner_uid=owner_uid,
                                 io_threads=io_threads, tiering=tiering, audit=audit,
-                                writeback_cache=writeback_cache, keep_cache=keep_cache)
+                                writeback_cache=writeback_cache, keep_cache=keep_cache,
+                                passthrough=passthrough)
         self.residency = tree.residency
         self.files = OpenFiles(index, tree.residency, tree.open_files)
         self.adoption = Adoption(tree)
@@ -305,6 +308,16 @@ class Operations(pyfuse3.Operations):
     @handler
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        fi, attrs, backing_id = await self._create(parent_inode, name, mode, flags, ctx)
+        if backing_id:
+            self.tree.passthrough.arm(fi.fh, backing_id)  # last: the reply goes out next
+        return fi, attrs
+
+    async def _create(self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Any
+                      ) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes, int]:
+        """create, and the backing id its reply names (0: served by the daemon)."""
+        if self.tree.passthrough.state == "starting":
+            await self.tree.passthrough.ready.wait()  # the first creates after the mount
         await self.adoption.ensure_listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
         mode = stat.S_IMODE(mode) & ~ctx.umask
@@ -340,8 +353,8 @@ class Operations(pyfuse3.Operations):
         self.residency.add_file(node)  # no block yet
         fh = self.files.register(node, fd, writable, ctx, created=True)
         self.tree.ref(node.inode)
-        direct, _ = self.tree.file_cache(node, flags, writable, busy=True)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False), self.tree.attrs(node)
+        fi, backing_id = self._door(node, fh, flags, busy=True)
+        return fi, self.tree.attrs(node), backing_id
 
     @handler
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Any
@@ -349,7 +362,7 @@ class Operations(pyfuse3.Operations):
         if not stat.S_ISREG(mode):
             # Device nodes, FIFOs and sockets have no place in a cache.
             raise FUSEError(errno.EPERM)
-        fi, attrs = await self.create(parent_inode, name, mode, os.O_RDONLY, ctx)
+        fi, attrs, _ = await self._create(parent_inode, name, mode, os.O_RDONLY, ctx)
         await self.release(fi.fh)
         return attrs
 
@@ -372,11 +385,16 @@ class Operations(pyfuse3.Operations):
         writable = flags & os.O_ACCMODE != os.O_RDONLY
         truncate = writable and bool(flags & os.O_TRUNC)
         rel, bflags = self.tree.path(node), backing_flags(flags)
+        if self.tree.passthrough.state == "starting":
+            await self.tree.passthrough.ready.wait()  # the first opens after the mount
         # A read whose path the kernel has cached opens here, without a thread (no I/O).
         fd, ahead = (None if writable else self.store.open_cached(rel, bflags)), 0
-        if fd is None:  # in a thread; a cold read asks for its data too (openfiles.open_ahead)
+        if fd is None:  # in a thread; a cold read asks for its data too (openfiles.open_ahead),
+            # unless the kernel will read it (passthrough: its own read-ahead, or O_DIRECT)
+            daemon_reads = not self._may_pass(inode)
             fd, ahead = await self.tree.io(open_ahead, functools.partial(
-                self.store.open, rel, bflags), 0 if writable else node.size, tenant=node.tenant)
+                self.store.open, rel, bflags), node.size if daemon_reads and not writable
+                else 0, tenant=node.tenant)
             node = self.index.get(inode)  # re-read: the world may have moved during the await
         fh = self.files.register(node, fd, writable, ctx, ahead=ahead)
         if truncate:
@@ -394,9 +412,96 @@ class Operations(pyfuse3.Operations):
         self.residency.record_use(node, now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self.tree.key(node)].mount_hits += 1
-        direct, keep = self.tree.file_cache(node, flags, writable,
-                                            busy=writable or self.open_files[inode].writers > 0)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep)
+        fi, backing_id = self._door(node, fh, flags,
+                                    busy=writable or self.open_files[inode].writers > 0)
+        if backing_id:
+            self.tree.passthrough.arm(fh, backing_id)  # last: the reply goes out next
+        return fi
+
+    # -- passthrough (kvfs.passthrough) ---------------------------------------------------
+
+    def _may_pass(self, inode: int) -> bool:
+        """Whether an open of `inode` may be a passthrough open: the mount has it, and no
+        handle of the inode reads through the page cache the daemon fills (the kernel
+        allows one or the other on an inode)."""
+        of = self.open_files.get(inode)
+        return self.tree.passthrough.on and (of is None or not of.cached)
+
+    def _room_to_pass(self, tenant: int) -> bool:
+        """Whether a writer of `tenant` may write through passthrough, where the daemon sees
+        none of its writes and settles its growth only at flush: only while the tenant's
+        quota and the mount's capacity have PASS_HEADROOM free for it and for every other
+        passthrough writer. Nearer a limit writers take the daemon's path, which refuses
+        the write that would cross it."""
+        pt = self.tree.passthrough
+        limits = self.residency.limits.get(tenant)
+        if limits is not None and limits.quota is not None and (
+                limits.quota - self.stats.tenant_bytes(tenant)
+                < PASS_HEADROOM * (pt.writers[tenant] + 1)):
+            return False
+        cap = self.tree.info.capacity
+        return cap is None or (cap - self.stats.used_bytes()
+                               >= PASS_HEADROOM * (pt.writers.total() + 1))
+
+    def _door(self, node: Node, fh: int, flags: int, *, busy: bool
+              ) -> tuple[pyfuse3.FileInfo, int]:
+        """The reply to an open or create of a hot file registered as handle `fh`, and the
+        backing id it names (0: served by the daemon). Bytes a passthrough reader reads are
+        counted at its open (the file's size); what a passthrough writer adds, at its
+        flushes (`_settle`)."""
+        h = self.handles[fh]
+        of = self.open_files[node.inode]
+        pt = self.tree.passthrough
+        backing_id = 0
+        if self._may_pass(node.inode) and (not h.writable or self._room_to_pass(node.tenant)):
+            backing_id = pt.register(node.inode, h.fd) or 0
+        if backing_id:
+            h.passthrough = True
+            of.passthrough += 1
+            if h.writable:
+                of.pt_fds.append(h.fd)
+                pt.writers[node.tenant] += 1
+                # The daemon will not see the writes: being written from the open on.
+                self.files.writing(of, node.inode, h)
+            else:
+                h.nread = node.size
+                self.stats.read(h.key, node.size)
+            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
+        direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
+        if of.passthrough:  # beside passthrough opens the kernel allows only uncached ones
+            direct, keep = True, False
+        if not direct:
+            h.cached = True
+            of.cached += 1
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep), 0
+
+    async def _settle(self, h: Handle) -> None:
+        """A passthrough writer's change in size since it was last settled: room made for
+        its growth (evicting as a write would), accounted, and counted as written; or, where
+        the tenant's quota or the capacity refuse it, the file cut back to what was
+        accounted, and EDQUOT/ENOSPC/EFBIG raised, as NFS reports at close."""
+        of = self.open_files[h.inode]
+        size = os.fstat(h.fd).st_size
+        growth = size - of.size
+        if growth > 0:
+            try:
+                await self.reclaim.make_room_for(h.key[0], growth, size, exclude=h.inode)
+            except FUSEError as exc:
+                keep = self.open_files[h.inode].size
+                await self.tree.io(os.ftruncate, h.fd, keep)
+                self.tree.passthrough.cut += 1
+                log.warning("inode %d: %d bytes written through passthrough refused at close "
+                            "(%s): cut back to %d", h.inode, growth,
+                            errno.errorcode.get(exc.errno, exc.errno), keep)
+                raise
+            growth = size - of.size  # another flush of it may have counted some meanwhile
+        if growth:
+            self.stats.account(h.key, 0, growth)
+            of.size = size
+            if growth > 0:
+                self.stats.write(h.key, growth)
+                h.nwritten += growth
+        of.mtime_ns = os.fstat(h.fd).st_mtime_ns
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -452,11 +557,15 @@ class Operations(pyfuse3.Operations):
     async def flush(self, fh: int) -> None:
         h = self.handles[fh]
         if h.writable:
+            if h.passthrough:
+                await self._settle(h)
             self.files.flushed(h)
 
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self.handles[fh]
+        if h.passthrough and h.writable:
+            await self._settle(h)
         if h.fd >= 0:
             await self.tree.io(os.fdatasync if datasync else os.fsync, h.fd)
         if h.writable:
@@ -467,6 +576,8 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if h.content is not None:
             return
+        if h.passthrough:
+            await self._release_passthrough(h)
         if self.tree.audit is not None:
             node = self.index.find(h.inode)
             if node is not None and (h.nread or h.nwritten or h.writable):
@@ -479,6 +590,21 @@ class Operations(pyfuse3.Operations):
         if h.writable and of.writers == 0 and changed:
             await self.adoption.complete(h.inode)
         self.tree.purge_orphan(h.inode)
+
+    async def _release_passthrough(self, h: Handle) -> None:
+        """The last of a passthrough handle: what it wrote after its last flush (a dup'd
+        descriptor, a shared mapping) settled, its backing id released with the inode's
+        last passthrough handle."""
+        pt = self.tree.passthrough
+        if h.writable:
+            pt.writers[h.key[0]] -= 1
+            try:
+                await self._settle(h)
+            except FUSEError:
+                pass  # cut back and logged; nobody is left to tell
+            except OSError as exc:
+                log.warning("inode %d: settling a passthrough writer failed: %s", h.inode, exc)
+        pt.release(h.inode)
 
     # -- names ----------------------------------------------------------------------------
 

@@ -62,6 +62,7 @@ class MountOptions:
     audit: str | None = DEFAULTS["audit"]
     writeback_cache: bool = DEFAULTS["writeback_cache"]
     keep_cache: bool = DEFAULTS["keep_cache"]
+    passthrough: bool = DEFAULTS["passthrough"]
     read_ahead_kb: int = 4096  # the mount's read-ahead window (not a setting)
 
 
@@ -204,7 +205,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
                      tiering=tiering, audit=audit, writeback_cache=opts.writeback_cache,
-                     keep_cache=opts.keep_cache)
+                     keep_cache=opts.keep_cache, passthrough=opts.passthrough)
     ops.load_limits()
     metrics = None
     if opts.metrics:
@@ -222,6 +223,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         index.close()
         raise MountError(f"cannot mount {mountpoint}: {exc}") from None
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    passthrough = ops.tree.passthrough
+    passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache)
     # Ends the mount if this process dies without unmounting (see kvfs.watchdog).
     watch_fd = watchdog.start(mountpoint)
     if ready is not None:
@@ -243,6 +246,9 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                         return
 
             nursery.start_soon(watch_signals)
+            # Once the kernel's INIT is answered: is passthrough on? (said in the log)
+            nursery.start_soon(passthrough.probe, os.path.join(
+                os.fsdecode(store.state_dir), LOCK_NAME))
             await ops.settle()  # requests wait in the kernel meanwhile
             nursery.start_soon(widen_read_ahead, mountpoint, opts.read_ahead_kb)
             nursery.start_soon(ops.run_background)
@@ -262,6 +268,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         except OSError as exc:  # already unmounted by fusermount3 -u
             if exc.errno not in (errno.EINVAL, errno.ENOENT):
                 raise
+        finally:
+            passthrough.unhook()
         watchdog.clean_stop(watch_fd)
         for of_inode in list(ops.open_files):
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away

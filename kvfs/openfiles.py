@@ -45,8 +45,9 @@ class OpenFile:
     dirty: bool = False
     saved: tuple[int, int] = (0, 0)  # (size, mtime_ns) as last written to the index
     passthrough: int = 0  # handles whose reads and writes the kernel does (kvfs.passthrough)
+    cached: int = 0  # daemon-served handles that use the page cache (not direct_io)
     # The backing fds of its writable passthrough handles: the kernel writes them without
-    # telling the daemon, so their size and times are read with fstat (`live`).
+    # telling the daemon, so their size and times are read with fstat (Tree.attrs).
     pt_fds: list[int] = field(default_factory=list)
 
 
@@ -65,6 +66,7 @@ class Handle:
     written: bool = False  # changed the file since its last flush
     ahead: int = 0  # how far the kernel has been asked to read ahead in the backing file
     passthrough: bool = False  # the kernel reads and writes its backing file itself
+    cached: bool = False  # daemon-served through the page cache (OpenFile.cached)
 
 
 def backing_flags(flags: int) -> int:
@@ -216,6 +218,10 @@ class OpenFiles:
         the last close of a file its flush left complete costs no index statement."""
         of = self.files[h.inode]
         of.handles -= 1
+        of.cached -= h.cached
+        of.passthrough -= h.passthrough
+        if h.passthrough and h.writable:
+            of.pt_fds.remove(h.fd)
         changed = of.changed
         fields: dict[str, Any] = {}
         if h.written:  # closed without a flush: what it changed is no longer pending
@@ -236,13 +242,6 @@ class OpenFiles:
         if of.handles == 0:
             del self.files[h.inode]
         return of, changed
-
-    def live(self, of: OpenFile) -> None:
-        """A file written through passthrough: its size and mtime as the backing file has
-        them now (fstat of an open fd: no disk I/O, fine on the event loop)."""
-        if of.pt_fds:
-            st = os.fstat(of.pt_fds[0])
-            of.size, of.mtime_ns = st.st_size, st.st_mtime_ns
 
     def read_cached(self, h: Handle, off: int, size: int) -> memoryview | None:
         """Bytes already in the page cache, read on the event loop without blocking

@@ -19,6 +19,7 @@ import fcntl
 import logging
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 
 import trio
@@ -37,6 +38,10 @@ BACKING_CLOSE = 0x4004E502
 #: statfs f_type of file systems that are themselves stacked (overlayfs, FUSE, eCryptfs):
 #: the kernel then needs a max_stack_depth of 2 to stack the mount on them.
 STACKED = {0x794C7630, 0x65735546, 0xF15F}
+#: Free bytes a passthrough writer needs in its tenant's quota and in the capacity, beside
+#: those of the other passthrough writers (kvfs.fs `_room_to_pass`): what it may write
+#: before its close settles it. Nearer a limit, writers take the daemon's path.
+PASS_HEADROOM = 64 << 20
 #: How long after the mount the INIT reply may take before passthrough is given up.
 INIT_WAIT = 10.0
 
@@ -82,6 +87,11 @@ class Passthrough:
     ids: dict[int, list[int]] = field(default_factory=dict)
     registered: int = 0  # backing files registered since the mount
     refused: int = 0  # registrations the kernel refused after the probe (served by the daemon)
+    cut: int = 0  # writers cut back at close: their growth crossed a quota or the capacity
+    writers: Counter[int] = field(default_factory=Counter)  # open passthrough writers by tenant
+    # Set once the state is known ("on" or "off"): an open that comes while it is
+    # "starting" waits for it, so that no inode starts on the daemon's path by accident.
+    ready: trio.Event = field(default_factory=trio.Event)
 
     @property
     def on(self) -> bool:
@@ -109,6 +119,12 @@ class Passthrough:
     async def probe(self, path: str) -> None:
         """Once INIT is answered: register one regular file (`path`, root's) and release it,
         so that the state is known before the first open, and say it in the log."""
+        try:
+            await self._probe(path)
+        finally:
+            self.ready.set()
+
+    async def _probe(self, path: str) -> None:
         if self.state != "starting":
             if self.wanted:
                 log.warning("passthrough off: %s; the daemon serves every byte", self.reason)
@@ -132,6 +148,14 @@ class Passthrough:
             return
         self.state, self.reason = "on", "the kernel reads and writes hot files itself"
         log.info("passthrough on: opened files are read and written by the kernel")
+
+    def unhook(self) -> None:
+        """The session is closed: libfuse gets its own writev back."""
+        if _passthrough is not None and self.dev >= 0:
+            _passthrough.unhook()
+            self.dev = -1
+        if self.state != "off":
+            self.state, self.reason = "off", "unmounted"
 
     def off(self, reason: str) -> None:
         self.state, self.reason = "off", reason
@@ -176,6 +200,6 @@ class Passthrough:
         """stats.json "passthrough"."""
         st = _passthrough.state() if _passthrough is not None and self.dev >= 0 else {}
         return {"state": self.state, "reason": self.reason, "open_files": len(self.ids),
-                "registered": self.registered, "refused": self.refused,
+                "registered": self.registered, "refused": self.refused, "cut": self.cut,
                 "replies_patched": st.get("opens_patched", 0),
                 "replies_missed": st.get("opens_missed", 0)}

@@ -173,6 +173,10 @@ SETTINGS: tuple[Setting, ...] = (
             "are read again from the page cache; a refused write-back reaches the writer at "
             "close (`ENOSPC`) or fsync, and writers in a tenant with a quota write through "
             "(docs/architecture.md, \"The mount door\")"),
+    Setting("passthrough", "bool", True, "FUSE passthrough: the kernel reads and writes an "
+            "open hot file's backing file itself, none of its bytes through the daemon; "
+            "quota and capacity are settled at close (`--no-passthrough`: the daemon serves "
+            "every byte; docs/architecture.md, \"The mount door\")"),
     Setting("keep_cache", "bool", True, "readers keep the kernel's page cache of a file "
             "nobody has open for writing (`--no-keep-cache`: dropped at each open)"),
     Setting("debug", "bool", False, "verbose log and FUSE debug"),

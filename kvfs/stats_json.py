@@ -41,6 +41,8 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
                    "entries": tree.residency.entries()},
         "tenants": stats.render(names, tenants),
         "tiers": _tiers(tree),
+        # Whether the kernel reads and writes open files itself (kvfs.passthrough), and why not.
+        "passthrough": tree.passthrough.snapshot(),
         "requests": dict(REQUESTS),  # FUSE requests served, by kind (kvfs.handlers)
         # A tree adopted at its first mount until every directory is indexed: usage and
         # eviction see only what is indexed so far.

@@ -25,6 +25,8 @@ awaits are atomic for the other tasks: no lock guards any of it. Who changes wha
   which handlers start work they do not wait for).
 - `writeback_cache`, `keep_cache`: the mount's kernel-cache options (kvfs.settings), set once
   by `Operations` before the mount; read by `file_cache` and `refused_writeback`.
+- `passthrough`: whether the kernel reads and writes open files itself, and their backing
+  ids (kvfs.passthrough): set up by kvfs.mount, used by open, create, flush and release.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from .capacity import Budget
 from .closer import closer
 from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import OpenFile
+from .passthrough import Passthrough
 from .policy import DEFAULT_POLICY
 from .residency import Residency
 from .settings import DEFAULTS
@@ -186,8 +189,10 @@ class Tree:
                  owner_uid: int = 0, io_threads: int = DEFAULTS["io_threads"],
                  tiering: Tiering | None = None, audit: Audit | None = None,
                  writeback_cache: bool = DEFAULTS["writeback_cache"],
-                 keep_cache: bool = DEFAULTS["keep_cache"]) -> None:
+                 keep_cache: bool = DEFAULTS["keep_cache"],
+                 passthrough: bool = DEFAULTS["passthrough"]) -> None:
         self.index = index
+        self.passthrough = Passthrough(wanted=passthrough)
         self.writeback_cache = writeback_cache
         self.keep_cache = keep_cache
         self.store = store
@@ -290,6 +295,8 @@ class Tree:
         self.lookups[inode] = self.lookups.get(inode, 0) + 1
 
     def size_of(self, node: Node) -> int:
+        """The size the usage counters hold for `node` (a passthrough writer's growth since
+        its last flush is not in it yet: `attrs` shows the file as it is)."""
         of = self.open_files.get(node.inode)
         return of.size if of is not None and of.dirty else node.size
 
@@ -314,6 +321,9 @@ class Tree:
         of = self.open_files.get(node.inode)
         if of is not None and of.dirty:
             size, mtime = of.size, of.mtime_ns
+            if of.pt_fds:  # written by the kernel: as the backing file is now (no disk I/O)
+                st = os.fstat(of.pt_fds[0])
+                size, mtime = st.st_size, st.st_mtime_ns
         a.st_size = size
         a.st_blksize = BLKSIZE
         # Blocks that live only in a lower tier take no local space: du shows the hot tier.

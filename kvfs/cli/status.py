@@ -27,6 +27,11 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
              f"pid {stats['pid']}",
              f"hot: {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
              f"{stats['files']} files, {stats['open_files']} open"]
+    pt = stats.get("passthrough")
+    if pt is not None:
+        lines.append(f"passthrough: {pt['state']} ({pt['reason']})" + (
+            f", {pt['open_files']} files open through it, {pt['cut']} writers cut back at "
+            f"close" if pt["state"] == "on" else ""))
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:
         lines.append(f"indexing the backing tree: {stats['indexing']['entries_indexed']} "
