@@ -28,7 +28,7 @@ from . import __version__, hashing, stats_json, virtual
 from .adoption import Adoption
 from .audit import Audit
 from .commands import Commands
-from .handlers import handler
+from .handlers import REQUESTS, handler
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
 from .passthrough import PASS_HEADROOM
@@ -440,7 +440,7 @@ class Operations(pyfuse3.Operations):
                 < PASS_HEADROOM * (pt.writers[tenant] + 1)):
             return False
         cap = self.tree.info.capacity
-        return cap is None or (cap - self.stats.used_bytes()
+        return cap is None or (cap - self.stats.used_bytes
                                >= PASS_HEADROOM * (pt.writers.total() + 1))
 
     def _door(self, node: Node, fh: int, flags: int, *, busy: bool
@@ -507,6 +507,9 @@ class Operations(pyfuse3.Operations):
     async def read(self, fh: int, off: int, size: int) -> bytes:
         h = self.handles[fh]
         if h.content is not None:
+            # Counted apart: "read" is what files cost (no file of .kvfs/ is passed through).
+            REQUESTS["read"] -= 1
+            REQUESTS["read_virtual"] += 1
             return h.content[off:off + size]
         data = self.files.read_cached(h, off, size)
         if data is None:

@@ -8,6 +8,9 @@ test: a traceback fails the test that caused it.
 Markers: every test that uses a mount fixture (`mount`, `mount_factory`) or the S3 server
 (`s3`) is marked `mount` here, as are the test modules that start mounts or servers of their
 own (their `pytestmark`); `pytest -m "not mount"` runs the unit tests alone, in seconds.
+
+KVFS_TEST_MOUNT_ARGS: options added to every mount the fixtures start (tools/test.sh runs the
+daemon's mount tests again with `--no-passthrough`: the path where the daemon serves the bytes).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -36,6 +40,8 @@ from kvfs.bench.harness import (  # noqa: F401 - Mount, force_unmount: the tests
 
 #: Fixtures that make a test a mount test (real mounts, real servers: slower than a unit).
 MOUNT_FIXTURES = {"mount", "mount_factory", "s3"}
+#: Options every mount of the fixtures gets (KVFS_TEST_MOUNT_ARGS).
+MOUNT_ARGS = shlex.split(os.environ.get("KVFS_TEST_MOUNT_ARGS", ""))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -123,7 +129,7 @@ def mount_factory() -> Iterator:
     os.chmod(tmp_path, 0o755)
 
     def make(name: str = "m", extra: list[str] | None = None, start: bool = True) -> Mount:
-        m = Mount.under(tmp_path / name, extra or [])
+        m = Mount.under(tmp_path / name, [*(extra or []), *MOUNT_ARGS])
         mounts.append(m)
         if start:
             m.start()
