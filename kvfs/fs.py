@@ -466,6 +466,7 @@ class Operations(pyfuse3.Operations):
             else:
                 h.nread = node.size
                 self.stats.read(h.key, node.size)
+                pt.read_bytes += node.size
             return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
         direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
         if of.passthrough:  # beside passthrough opens the kernel allows only uncached ones
@@ -500,6 +501,7 @@ class Operations(pyfuse3.Operations):
             of.size = size
             if growth > 0:
                 self.stats.write(h.key, growth)
+                self.tree.passthrough.write_bytes += growth
                 h.nwritten += growth
         of.mtime_ns = os.fstat(h.fd).st_mtime_ns
 

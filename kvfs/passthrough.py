@@ -88,6 +88,11 @@ class Passthrough:
     registered: int = 0  # backing files registered since the mount
     refused: int = 0  # registrations the kernel refused after the probe (served by the daemon)
     cut: int = 0  # writers cut back at close: their growth crossed a quota or the capacity
+    # Bytes counted as read (a reader's file size at its open) and written (a writer's
+    # growth, at its flushes) by passthrough handles: in the tenants' counters too, but
+    # none of them crossed /dev/fuse.
+    read_bytes: int = 0
+    write_bytes: int = 0
     writers: Counter[int] = field(default_factory=Counter)  # open passthrough writers by tenant
     # Set once the state is known ("on" or "off"): an open that comes while it is
     # "starting" waits for it, so that no inode starts on the daemon's path by accident.
@@ -201,5 +206,6 @@ class Passthrough:
         st = _passthrough.state() if _passthrough is not None and self.dev >= 0 else {}
         return {"state": self.state, "reason": self.reason, "open_files": len(self.ids),
                 "registered": self.registered, "refused": self.refused, "cut": self.cut,
+                "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
                 "replies_patched": st.get("opens_patched", 0),
                 "replies_missed": st.get("opens_missed", 0)}

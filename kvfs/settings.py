@@ -169,7 +169,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("log", "str", None, "the daemon's log",
             shown="`BACKING/.kvfs/daemon.log` (stderr with `--foreground`)", daemon=False),
     Setting("io_threads", "int", 32, "worker threads for blocking I/O", check=_at_least(1)),
-    Setting("writeback_cache", "bool", False, "FUSE's write-back cache: files just written "
+    Setting("writeback_cache", "bool", False, "FUSE's write-back cache (turns passthrough "
+            "off): files just written "
             "are read again from the page cache; a refused write-back reaches the writer at "
             "close (`ENOSPC`) or fsync, and writers in a tenant with a quota write through "
             "(docs/architecture.md, \"The mount door\")"),
@@ -177,8 +178,9 @@ SETTINGS: tuple[Setting, ...] = (
             "open hot file's backing file itself, none of its bytes through the daemon; "
             "quota and capacity are settled at close (`--no-passthrough`: the daemon serves "
             "every byte; docs/architecture.md, \"The mount door\")"),
-    Setting("keep_cache", "bool", True, "readers keep the kernel's page cache of a file "
-            "nobody has open for writing (`--no-keep-cache`: dropped at each open)"),
+    Setting("keep_cache", "bool", True, "files the daemon serves (passthrough off or "
+            "refused): readers keep the kernel's page cache of a file nobody has open for "
+            "writing (`--no-keep-cache`: dropped at each open)"),
     Setting("debug", "bool", False, "verbose log and FUSE debug"),
 )
 

