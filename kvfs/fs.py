@@ -461,8 +461,7 @@ class Operations(pyfuse3.Operations):
             if h.writable:
                 of.pt_fds.append(h.fd)
                 pt.writers[node.tenant] += 1
-                # The daemon will not see the writes: being written from the open on.
-                self.files.writing(of, node.inode, h)
+                self.files.watch(of, node.inode, h)  # the daemon will not see its writes
             else:
                 h.nread = node.size
                 self.stats.read(h.key, node.size)
@@ -563,6 +562,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.writable:
             if h.passthrough:
+                self.files.observe(h.inode, h)
                 await self._settle(h)
             self.files.flushed(h)
 
@@ -570,6 +570,7 @@ class Operations(pyfuse3.Operations):
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self.handles[fh]
         if h.passthrough and h.writable:
+            self.files.observe(h.inode, h)
             await self._settle(h)
         if h.fd >= 0:
             await self.tree.io(os.fdatasync if datasync else os.fsync, h.fd)
@@ -604,6 +605,7 @@ class Operations(pyfuse3.Operations):
         if h.writable:
             pt.writers[h.key[0]] -= 1
             try:
+                self.files.observe(h.inode, h)
                 await self._settle(h)
             except FUSEError:
                 pass  # cut back and logged; nobody is left to tell
@@ -706,10 +708,12 @@ class Operations(pyfuse3.Operations):
 
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
+        self.files.observe(inode)  # a block changed by a passthrough writer is not one
         return await self.xattrs.get(inode, name)
 
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:
+        self.files.observe(inode)
         return await self.xattrs.names(inode)
 
     @handler

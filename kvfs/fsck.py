@@ -7,7 +7,8 @@ other directory with the same checks when a request first names something in it,
 background (`Reconciler.prepare` off the event loop, `walk_entries` on it). It:
 
 - drops orphans (nodes the kernel still held when the daemon died);
-- removes files that were open for writing when the daemon died (half-written, never complete)
+- removes files that were open for writing when the daemon died (half-written, never complete;
+  one only passthrough writers held is kept where its backing file is as they found it)
   and temporaries of the direct path;
 - adds what the backing tree has and the index lacks, drops what the index has and the tree
   lacks, and refreshes sizes and types that changed behind the daemon's back;
@@ -29,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from . import blockfile, hashing
-from .index import ORPHAN_PARENT, ROOT_INODE, Index, Node, ensure_root
+from .index import ORPHAN_PARENT, ROOT_INODE, WATCHED, Index, Node, ensure_root
 from .layout import STATE_DIR, TEMP_PREFIX
 from .store import BackingStore
 
@@ -394,6 +395,15 @@ class Reconciler:
             if not node.tier:  # lower-tier blocks have no local file
                 self.drop_subtree(node, drel + b"/" + name if drel else name)
 
+    def _unchanged(self, node: Node, rel: bytes) -> bool:
+        """Whether a WATCHED file's backing file is as its passthrough writers found it."""
+        try:
+            st = self.store.lstat(rel)
+        except OSError:
+            return False
+        return (st.st_size, st.st_mtime_ns, st.st_ctime_ns) == (
+            node.size, node.mtime_ns, node.ctime_ns)
+
     def refresh(self, node: Node, rel: bytes, st: os.stat_result) -> None:
         block = self.check_block(rel, node.name)
         if block is False:
@@ -409,6 +419,9 @@ class Reconciler:
     def remove_partial(self) -> None:
         for node in self.index.writing_nodes():
             rel = self.path_of(node)
+            if rel is not None and node.writing == WATCHED and self._unchanged(node, rel):
+                self.index.update(node.inode, writing=0)  # opened for writing, not written
+                continue
             if rel is not None:
                 try:
                     self.store.unlink(rel)

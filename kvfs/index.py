@@ -27,6 +27,8 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
+#: `nodes.writing` of a file only passthrough writers hold, unchanged since they opened it.
+WATCHED = 2
 
 ROOT_INODE = 1
 #: Inodes below this are reserved for virtual nodes (``.kvfs/`` and its files).
@@ -84,6 +86,10 @@ def create_tables(db: sqlite3.Connection) -> None:
             ns        INTEGER NOT NULL DEFAULT 0,
             -- 1 while some process has the file open for writing. Persisted, so that after a
             -- crash a half-written file is recognised and removed, never served.
+            -- 2 (WATCHED) while only passthrough writers hold it and the daemon has not seen
+            -- it change: the kernel writes it without telling the daemon, so size, mtime_ns
+            -- and ctime_ns are then the backing file's at their open, and a file that still
+            -- matches them at the next mount was not written since (it is kept).
             writing   INTEGER NOT NULL DEFAULT 0,
             -- kvfs-native blocks only: the 16-byte block hash and its parent's, set once the
             -- file is complete and its header verified. NULL for every other file: such a
@@ -503,7 +509,8 @@ class Index:
         return self.children(ROOT_INODE, limit=1 << 30)
 
     def writing_nodes(self) -> list[Node]:
-        rows = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE writing=1").fetchall()
+        """Files open for writing (`writing` 1 or WATCHED) when the daemon last stopped."""
+        rows = self.db.execute(f"SELECT {_COLUMNS} FROM nodes WHERE writing>0").fetchall()
         return [_node(r) for r in rows]
 
     # -- accounting -----------------------------------------------------------------------

@@ -5,6 +5,11 @@ last flush), and the reads of a handle (page cache first, then a worker thread w
 A file changed through a descriptor is marked `writing` in the index until every descriptor
 that changed it is flushed or closed (a daemon that dies before removes it at the next mount:
 it may be half written); it is checked as a block only when its last writer closes it.
+The kernel writes a file that passthrough writers hold without telling the daemon: such a
+file is *watched* (`watch`: the backing file's size and times at their open, kept in the
+index as `WATCHED`), and is marked as being written from the moment the daemon sees it
+differ (`observe`: at each flush, fsync, close and block-attribute query), or at the next
+mount if the daemon died first.
 
 Shared state (event loop only): `files` (the Tree's `open_files`) and `handles`, changed by
 the FUSE handlers open, create, write, setattr, flush and release; `Handle.ahead` and
@@ -18,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .index import Index, Node
+from .index import WATCHED, Index, Node
 from .residency import Residency
 from .stats import Key
 
@@ -49,6 +54,9 @@ class OpenFile:
     # The backing fds of its writable passthrough handles: the kernel writes them without
     # telling the daemon, so their size and times are read with fstat (Tree.attrs).
     pt_fds: list[int] = field(default_factory=list)
+    # While watched (passthrough writers hold it, no change seen): the backing file's
+    # (size, mtime_ns, ctime_ns) at the first of their opens.
+    stamp: tuple[int, int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -174,8 +182,40 @@ class OpenFiles:
             of.pending += 1
         if not of.written:
             of.written = of.changed = True
+            of.stamp = None
             self.residency.unblock(self.index.get(inode))
             self.index.update(inode, writing=1, block_hash=None, parent_hash=None)
+
+    def watch(self, of: OpenFile, inode: int, h: Handle) -> None:
+        """Passthrough writer `h` opened `inode`: the kernel will write it without telling
+        the daemon. A file changed already by another writer stays being written until its
+        last writer closes (who changes it next cannot be told apart); one that `h` itself
+        created or truncated is being written by `h` (its flush ends it); an unchanged one is
+        watched: its backing file's size and times now are kept, in memory and in the index
+        (`WATCHED`), so that a change is seen at the next `observe`, or at the next mount.
+        It stays a block until then: opened but not written, it is what it was."""
+        if of.written:
+            if of.writers > 1:
+                self.writing(of, inode, None)
+        elif of.stamp is None:
+            st = os.fstat(h.fd)
+            of.stamp = (st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            of.mtime_ns = st.st_mtime_ns
+            of.saved = (of.size, of.mtime_ns)
+            self.index.update(inode, writing=WATCHED, mtime_ns=st.st_mtime_ns,
+                              ctime_ns=st.st_ctime_ns)
+
+    def observe(self, inode: int, h: Handle | None = None) -> None:
+        """Whether a watched file changed since its passthrough writers opened it: if so,
+        it is being written from now on, by `h` where `h` is its only writer (its flush then
+        ends it), else by a writer the daemon cannot name (it ends with the last writer's
+        close: a crash before removes it, as it may be half written)."""
+        of = self.files.get(inode)
+        if of is None or of.stamp is None or not of.pt_fds:
+            return
+        st = os.fstat(of.pt_fds[0])
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != of.stamp:
+            self.writing(of, inode, h if h is not None and of.writers == 1 else None)
 
     @staticmethod
     def _unsaved(of: OpenFile, fields: dict[str, Any]) -> None:
@@ -233,8 +273,9 @@ class OpenFiles:
             of.writers -= 1
             if of.writers == 0:
                 self._unsaved(of, fields)  # persist and the end of writing: one update
-                if of.written:
+                if of.written or of.stamp is not None:
                     fields["writing"] = 0
+                of.stamp = None
                 of.dirty = of.written = of.changed = of.unowned = False
                 of.pending = 0
         if fields:

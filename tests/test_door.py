@@ -61,9 +61,10 @@ def quota(mount_factory):
 
 def test_writeback_is_off_by_default_and_can_be_turned_on(mount_factory):
     """With the write-back cache a small write reaches the daemon at close (one WRITE for
-    many write(2) calls); without it (the default), each write(2) is a request."""
+    many write(2) calls); without it (the default), each write(2) the daemon serves (not
+    passthrough's) is a request."""
     on = mount_factory("on", extra=WB)
-    off = mount_factory("off")
+    off = mount_factory("off", extra=["--no-passthrough"])
     for m in (on, off):
         kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
         before = requests(m).get("write", 0)

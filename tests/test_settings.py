@@ -22,7 +22,8 @@ OTHER = {
     "cold": "dir:///hdd/kv", "shared": "s3://kv/p?region=x&endpoint=http://h:1",
     "write_through": False, "fetch_timeout": 2.5, "tier_cooldown": 0.0,
     "metrics": "127.0.0.1:9464", "audit": "/var/log/a b.jsonl", "log": "/var/log/d.log",
-    "io_threads": 5, "writeback_cache": True, "keep_cache": False, "debug": True,
+    "io_threads": 5, "writeback_cache": True, "passthrough": False, "keep_cache": False,
+    "debug": True,
 }
 
 
@@ -154,7 +155,8 @@ def test_fstab_options_are_the_mount_options():
     from kvfs.fstab import FLAGS, VALUED, translate
 
     assert "io_threads" in VALUED and "config" in VALUED and "backing" not in VALUED
-    assert FLAGS == {"debug", "no_write_through", "writeback_cache", "no_keep_cache"}
+    assert FLAGS == {"debug", "no_write_through", "writeback_cache", "no_passthrough",
+                     "no_keep_cache"}
     cached = _parse_mount(translate("/b", "/m", "writeback_cache,no_keep_cache")[1:])
     assert cached["writeback_cache"] is True and cached["keep_cache"] is False
     argv = translate("/b", "/m", "policy-entries=7,tier_cooldown=0,no_write_through,io_threads=5")
