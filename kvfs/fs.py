@@ -481,7 +481,8 @@ class Operations(pyfuse3.Operations):
         the tenant's quota or the capacity refuse it, the file cut back to what was
         accounted, and EDQUOT/ENOSPC/EFBIG raised, as NFS reports at close."""
         of = self.open_files[h.inode]
-        size = os.fstat(h.fd).st_size
+        st = os.fstat(h.fd)
+        size = st.st_size
         growth = size - of.size
         if growth > 0:
             try:
@@ -502,7 +503,7 @@ class Operations(pyfuse3.Operations):
                 self.stats.write(h.key, growth)
                 self.tree.passthrough.write_bytes += growth
                 h.nwritten += growth
-        of.mtime_ns = os.fstat(h.fd).st_mtime_ns
+        of.mtime_ns = st.st_mtime_ns
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
