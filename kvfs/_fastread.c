@@ -605,11 +605,12 @@ write_all(int fd, struct iovec *v, int cnt, off_t off)
 
 /* Write one block file (the GIL released): `tmp` created (its directory too, if absent),
  * the payload hashed and written, the header with that checksum, the padding, fsync if
- * asked, closed, renamed to `final`. Returns the payload checksum, or -1 with errno set and
- * `tmp` removed. */
+ * asked, closed, renamed to `final`. With `expect`, a payload whose checksum is not
+ * `*expect` is not placed (EBADMSG): a copy written from memory that changed meanwhile.
+ * Returns 0 with the payload checksum in `*csum`, or -1 with errno set and `tmp` removed. */
 static int
 write_file(const char *tmp, const char *final, unsigned char *h, struct iovec *pay, int cnt,
-           size_t payload, size_t pad, int sync, uint64_t *csum)
+           size_t payload, size_t pad, int sync, uint64_t *csum, const uint64_t *expect)
 {
     static const unsigned char zeros[HEADER_SIZE];
     int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -653,6 +654,10 @@ write_file(const char *tmp, const char *final, unsigned char *h, struct iovec *p
                 goto out;
         }
         *csum = XXH3_64bits_digest(&st);
+    }
+    if (expect && *csum != *expect) {
+        errno = EBADMSG;
+        goto out;
     }
     memcpy(h + CSUM_OFF, csum, 8);
     memset(h + HCSUM_OFF, 0, 8);
@@ -702,9 +707,21 @@ write_block(PyObject *Py_UNUSED(self), PyObject *args)
     Py_buffer hb;
     Py_ssize_t pad;
     int sync;
-    if (!PyArg_ParseTuple(args, "O&O&y*Onp", PyUnicode_FSConverter, &tmp_o,
-                          PyUnicode_FSConverter, &final_o, &hb, &seq, &pad, &sync))
+    PyObject *expect_o = Py_None;
+    if (!PyArg_ParseTuple(args, "O&O&y*Onp|O", PyUnicode_FSConverter, &tmp_o,
+                          PyUnicode_FSConverter, &final_o, &hb, &seq, &pad, &sync, &expect_o))
         return NULL;
+    uint64_t expect = 0;
+    int has_expect = expect_o != Py_None;
+    if (has_expect) {
+        expect = PyLong_AsUnsignedLongLong(expect_o);
+        if (expect == (uint64_t)-1 && PyErr_Occurred()) {
+            Py_DECREF(tmp_o);
+            Py_DECREF(final_o);
+            PyBuffer_Release(&hb);
+            return NULL;
+        }
+    }
     PyObject *ret = NULL, *fast = NULL;
     Py_buffer bufs[MAX_IOV];
     Py_ssize_t nb = 0;
@@ -745,7 +762,8 @@ write_block(PyObject *Py_UNUSED(self), PyObject *args)
     uint64_t csum = 0;
     int rc, e;
     Py_BEGIN_ALLOW_THREADS
-    rc = write_file(tmp, final, h, pay, used, payload, (size_t)pad, sync, &csum);
+    rc = write_file(tmp, final, h, pay, used, payload, (size_t)pad, sync, &csum,
+                    has_expect ? &expect : NULL);
     e = errno;
     Py_END_ALLOW_THREADS
     if (rc < 0) {
@@ -767,8 +785,9 @@ done:
 static PyMethodDef module_methods[] = {
     {"xxh3_64", xxh3_64, METH_O, "xxh3_64 (seed 0) of a buffer, as this module computes it."},
     {"write_block", write_block, METH_VARARGS,
-     "write_block(tmp, final, header, payload_buffers, pad, fsync) -> payload checksum: one "
-     "block file written, checksummed, renamed into place, without the GIL."},
+     "write_block(tmp, final, header, payload_buffers, pad, fsync[, expect]) -> payload "
+     "checksum: one block file written, checksummed, renamed into place, without the GIL; "
+     "with expect, not placed (EBADMSG) unless the payload's checksum is expect."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,7 +1,8 @@
 """The daemon side of the direct path's control commands (the protocol is kvfs.control):
 publish (index blocks a client wrote into the backing tree), access (the client's hits and
 misses, and the blocks it read), corrupt (check and quarantine blocks a client found bad),
-fetch and prefetch (promote blocks from the lower tiers). Each is one setxattr on a model
+fetch and prefetch (promote blocks from the lower tiers), grant (where the client may read
+the blocks the hot tier lacks itself: kvfs.grants). Each is one setxattr on a model
 namespace's directory; kvfs.xattrs routes them here.
 
 No state of its own: it changes the index, the usage counters (Tree.stats) and the policies
@@ -19,6 +20,7 @@ from pyfuse3 import FUSEError
 
 from . import blockfile, control, hashing
 from .adoption import Adoption
+from .grants import Grants
 from .index import ORPHAN_PARENT, Node
 from .promotion import Promotion
 from .reclaim import Reclaim
@@ -36,6 +38,7 @@ class Commands:
         self.adoption = adoption
         self.reclaim = reclaim
         self.promotion = promotion
+        self.grants = Grants(tree, adoption, promotion)
 
     async def run(self, dnode: Node, name: bytes, value: bytes, ctx: Any) -> None:
         """Run command `name` (one of control.COMMANDS) on directory `dnode`."""
@@ -55,6 +58,8 @@ class Commands:
                 self.access(dnode, access)
             elif name == control.CORRUPT:
                 await self.corrupt(dnode, control.unpack_hashes(value))
+            elif name == control.GRANT:
+                await self.grants.grant(dnode, value, ctx.uid)
             elif name == control.FETCH:
                 await self.promotion.fetch_many(dnode, *control.unpack_fetch(value))
             elif self.tree.nursery is not None:

@@ -19,6 +19,13 @@ clients split larger batches.
   the budget is spent, and the fetches still running finish in the background.
 - ``user.kvfs.prefetch``: the same, but returns at once (the promotions run in the
   background), so that a queued request finds its blocks hot when its turn comes.
+- ``user.kvfs.grant``: ``KVG1``, a 16-byte nonce, a u32 budget in milliseconds (0: none)
+  and N x 16-byte hashes the hot tier lacks: for the longest prefix of them that some tier
+  holds, say where each can be read. A block in a shared S3 tier gets a presigned GET of its
+  one object, valid for seconds (the client fetches it itself, once, into its destination);
+  a block in a tier the client cannot read itself (a directory) is promoted, as by
+  ``fetch``, and is then hot. The answer is read with getxattr ``user.kvfs.grant.<nonce
+  hex>`` on the same directory, by the same uid, within :data:`GRANT_REPLY_TTL` seconds.
 
 Queries are plain getxattr: ``user.kvfs.backing`` on any node gives its backing path.
 """
@@ -37,7 +44,10 @@ ACCESS = b"user.kvfs.access"
 CORRUPT = b"user.kvfs.corrupt"
 FETCH = b"user.kvfs.fetch"
 PREFETCH = b"user.kvfs.prefetch"
-COMMANDS = (PUBLISH, ACCESS, CORRUPT, FETCH, PREFETCH)
+GRANT = b"user.kvfs.grant"
+COMMANDS = (PUBLISH, ACCESS, CORRUPT, FETCH, PREFETCH, GRANT)
+#: getxattr of this prefix + a grant's nonce (hex) on its directory: the grant's answer.
+GRANT_REPLY = b"user.kvfs.grant."
 
 # Queries (getxattr on any node): what the daemon knows of it.
 TIER = b"user.kvfs.tier"  #: the tier that holds a file: hot or a lower tier's name
@@ -138,3 +148,84 @@ class Access:
         if magic != ACCESS_MAGIC:
             raise ControlError(f"access record has magic {magic!r}, expected {ACCESS_MAGIC!r}")
         return cls(lookups, hb, mb, ht, mt, rb, nb, tuple(unpack_hashes(value[_ACCESS.size:])))
+
+
+# -- grants: where the blocks the hot tier lacks can be read ----------------------------------
+
+GRANT_MAGIC = b"KVG1"
+GRANT_REPLY_MAGIC = b"KVR1"
+_GRANT = struct.Struct("<4s16sI")
+_REPLY = struct.Struct("<4sI")
+_ENTRY = struct.Struct("<BBQH")
+#: Seconds an answer waits to be read (getxattr may be asked twice: for its size, then it).
+GRANT_REPLY_TTL = 10.0
+#: Hashes per grant command: each answer's URLs (about 600 bytes each) fit one xattr.
+MAX_GRANT = 64
+#: Where a granted block is read.
+GRANT_HOT = 0  #: in the hot tier now: read its backing file
+GRANT_URL = 1  #: one presigned GET of its object in a shared tier
+
+
+@dataclass(frozen=True)
+class Granted:
+    """Where one block can be read: `kind` (GRANT_HOT or GRANT_URL), the 1-based lower tier
+    it is in (0: hot), its object's size in bytes and the URL (GRANT_URL)."""
+
+    kind: int
+    tier: int = 0
+    size: int = 0
+    url: str = ""
+
+
+def pack_grant(nonce: bytes, hashes: list[bytes], budget: float | None = None) -> bytes:
+    if len(nonce) != 16:
+        raise ControlError("a grant nonce is 16 bytes")
+    if not hashes or len(hashes) > MAX_GRANT:
+        raise ControlError(f"a grant asks for 1 to {MAX_GRANT} blocks")
+    ms = 0 if budget is None else max(1, round(budget * 1000))
+    if not 0 <= ms < 1 << 32:
+        raise ControlError(f"a grant budget of {budget} s is out of range")
+    return _GRANT.pack(GRANT_MAGIC, nonce, ms) + pack_hashes(hashes)
+
+
+def unpack_grant(value: bytes) -> tuple[bytes, list[bytes], float | None]:
+    """(nonce, hashes, budget in seconds or None) of a grant command."""
+    if len(value) < _GRANT.size or value[:4] != GRANT_MAGIC:
+        raise ControlError("a grant starts with KVG1, a nonce and a budget")
+    _, nonce, ms = _GRANT.unpack_from(value)
+    hashes = unpack_hashes(value[_GRANT.size:])
+    if not hashes or len(hashes) > MAX_GRANT:
+        raise ControlError(f"a grant asks for 1 to {MAX_GRANT} blocks")
+    return nonce, hashes, (ms / 1000 if ms else None)
+
+
+def pack_grant_reply(entries: list[Granted]) -> bytes:
+    out = [_REPLY.pack(GRANT_REPLY_MAGIC, len(entries))]
+    for e in entries:
+        url = e.url.encode()
+        out.append(_ENTRY.pack(e.kind, e.tier, e.size, len(url)) + url)
+    value = b"".join(out)
+    if len(value) > XATTR_MAX:
+        raise ControlError(f"a grant answer of {len(value)} bytes does not fit an xattr")
+    return value
+
+
+def unpack_grant_reply(value: bytes) -> list[Granted]:
+    """The granted prefix, in the order asked."""
+    if len(value) < _REPLY.size or value[:4] != GRANT_REPLY_MAGIC:
+        raise ControlError("a grant answer starts with KVR1")
+    _, n = _REPLY.unpack_from(value)
+    pos, out = _REPLY.size, []
+    for _ in range(n):
+        if pos + _ENTRY.size > len(value):
+            raise ControlError("a grant answer is cut short")
+        kind, tier, size, ulen = _ENTRY.unpack_from(value, pos)
+        pos += _ENTRY.size
+        url = value[pos:pos + ulen].decode()
+        pos += ulen
+        if kind not in (GRANT_HOT, GRANT_URL) or len(url) != ulen:
+            raise ControlError("a grant answer holds an unknown entry")
+        out.append(Granted(kind, tier, size, url))
+    if pos != len(value):
+        raise ControlError("a grant answer has trailing bytes")
+    return out

@@ -710,7 +710,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:
         self.files.observe(inode)  # a block changed by a passthrough writer is not one
-        return await self.xattrs.get(inode, name)
+        return await self.xattrs.get(inode, name, ctx)
 
     @handler
     async def listxattr(self, inode: int, ctx: Any) -> list[bytes]:

@@ -62,7 +62,7 @@ class Xattrs:
             out[control.USED] = str(tree.stats.tenant_bytes(node.inode)).encode()
         return out
 
-    async def get(self, inode: int, name: bytes) -> bytes:
+    async def get(self, inode: int, name: bytes, ctx: Any = None) -> bytes:
         if not name.startswith(b"user."):
             # Only the user namespace exists here (as setxattr says): ENOTSUP, not ENODATA,
             # tells tools such as `ls -l` that asking this file system again is pointless.
@@ -70,6 +70,8 @@ class Xattrs:
         if inode < FIRST_REAL_INODE and inode != ROOT_INODE:
             raise FUSEError(pyfuse3.ENOATTR)
         node = self.index.get(inode)
+        if name.startswith(control.GRANT_REPLY) and ctx is not None and node.is_dir:
+            return self.commands.grants.reply(node, name, ctx.uid)
         if name.startswith(control.XATTR_PREFIX):
             value = self.values(node).get(name)
             if value is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -46,24 +47,39 @@ def wait_uploaded(s3, hashes):  # noqa: F811
             time.sleep(0.1)
 
 
-def load(m, hashes, like):
+def load(m, hashes, like, stats=None):
     with kv.KVCache.open(m.mnt, tenant="t", spec=SPEC) as c:
         start = time.monotonic()
         n = c.lookup(hashes)
         out = torch.zeros_like(like)
         got = c.load(hashes[:n], out)
-        return got, out, time.monotonic() - start
+        seconds = time.monotonic() - start
+        c.flush()
+        if stats is not None:
+            stats.update(c.stats)
+        return got, out, seconds
 
 
 def test_a_context_saved_on_one_host_loads_on_another(mount_factory, s3):  # noqa: F811
     a, b = mounts(mount_factory, s3)
     hashes, kv_in = save(a, list(range(16 * 8)))
     wait_uploaded(s3, hashes)
-    got, out, _ = load(b, hashes, kv_in)
+    client: dict = {}
+    got, out, _ = load(b, hashes, kv_in, client)
     assert got == 8 and torch.equal(out, kv_in)
+    # One pass: host b's client read each object itself with the URL its daemon granted;
+    # the daemon moved no byte (no fetch), and the hot copies were written behind.
+    assert client["remote_blocks"] == 8 and client["behind_blocks"] == 8
     st = b.stats()
-    assert st["tiers"][0]["hits"] == 8 and st["tiers"][0]["name"] == "shared"
-    assert st["tenants"]["t"][SPEC.namespace]["promotions"] == 8
+    tier = st["tiers"][0]
+    assert tier["name"] == "shared" and tier["grants"] == 8 and tier["hits"] == 0
+    ns_b = b.mnt / "t" / SPEC.namespace
+    assert all(os.getxattr(ns_b / kv.hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
+               for h in hashes)
+    again: dict = {}
+    got, out, _ = load(b, hashes, kv_in, again)  # now from b's hot tier
+    assert got == 8 and torch.equal(out, kv_in) and again["remote_blocks"] == 0
+    assert b.stats()["tiers"][0]["grants"] == 8
 
 
 def test_a_dead_store_costs_misses_within_the_deadline(mount_factory, s3):  # noqa: F811

@@ -43,6 +43,7 @@ from ..layout import MANIFEST as _MANIFEST
 from ..layout import TEMP_PREFIX
 from ..transport import PosixTransport
 from ..transport import select as select_transport
+from . import remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .layouts import DTYPES
 from .load import Loading
@@ -53,6 +54,8 @@ log = logging.getLogger(__name__)
 MANIFEST = os.fsdecode(_MANIFEST)
 BACKING_XATTR = os.fsdecode(control.BACKING)
 TIERS_XATTR = os.fsdecode(control.TIERS)
+#: Threads of a load's GETs from a shared tier.
+REMOTE_THREADS = 32
 #: The soft open-file limit a client raises itself to (within the hard limit).
 FD_LIMIT = 65536
 _TEMP = os.fsdecode(TEMP_PREFIX)
@@ -61,6 +64,9 @@ _COUNTERS = (
     "loaded_blocks", "read_bytes", "needed_bytes", "corrupt_blocks", "mismatched_blocks",
     "saved_blocks", "present_blocks", "written_bytes", "dropped_saves", "failed_saves",
     "control_calls",  # setxattr calls on the namespace directory
+    # blocks (and bytes) a load read from a shared tier itself, their hot copies written
+    # behind, and those skipped for want of room
+    "remote_blocks", "remote_bytes", "behind_blocks", "behind_skipped",
 )
 
 
@@ -110,6 +116,10 @@ class KVCache(Saving, Loading):
         self._tls = threading.local()  # each I/O thread's header and probe buffers
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
         self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
+        # GETs from a shared tier wait on the network, not the CPU: as many as its store
+        # serves well at once.
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvfs-get")
+        self._grants = True  # the daemon answers grants (False once it refused one)
         self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._save_slots = threading.BoundedSemaphore(max_pending_saves)
         self._writer: threading.Thread | None = None
@@ -180,7 +190,9 @@ class KVCache(Saving, Loading):
             self._writer.join()
         self._channel.close()
         self._loads.shutdown(wait=True)
+        self._remote_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        remote.forget(self.ns_dir)
 
     def __enter__(self) -> KVCache:
         return self
@@ -240,7 +252,18 @@ class KVCache(Saving, Loading):
         fetch is bounded by the mount's fetch deadline only."""
         n = self._hot_prefix(hashes, 0)
         fetched = n < len(hashes) and bool(self.tiers)
-        if fetched:
+        if fetched and self._grants:
+            # One control call per MAX_GRANT blocks: where each block below can be read
+            # (a presigned GET for a shared tier's, which the load makes itself).
+            try:
+                n += len(remote.ask(self._channel, self.ns_dir, hashes[n:], budget))
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EINVAL, errno.ENOTSUP):
+                    raise
+                log.info("%s: the daemon takes no grants (%s): fetches through it",
+                         self.ns_dir, exc)
+                self._grants = False
+        if fetched and not self._grants:
             # One control call: the daemon fetches what the lower tiers have (each fetch
             # within its deadline) and places it hot.
             end = None if budget is None else time.monotonic() + budget

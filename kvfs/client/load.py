@@ -28,6 +28,7 @@ import torch
 
 from .. import blockfile, control, devsum
 from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
+from . import remote
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
 
@@ -44,6 +45,9 @@ SAMPLE_EVERY = 8
 #: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
 #: below that, a thread hand-off costs more than the read it would take over.
 THREAD_BYTES = 1 << 20
+#: A granted GET's socket timeout: this many seconds, plus its bytes at FETCH_RATE bytes/s.
+FETCH_FLOOR_S = 1.0
+FETCH_RATE = 100e6
 
 
 @dataclass(slots=True)
@@ -149,6 +153,8 @@ class Loading(Layouts):
     _channel: ControlChannel
     path: Callable[[bytes], str]
     _count: Callable[..., None]
+    _remote_pool: ThreadPoolExecutor
+    write_behind: Callable[..., bool]
     #: Host loads through kvfs._fastread where it is built (False: the reads in Python, which
     #: it must agree with; the tests compare the two).
     _native = True
@@ -223,7 +229,15 @@ class Loading(Layouts):
         the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
         none reads past a block that failed. Blocks whose bytes landed where the host does
         not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
-        contiguous layout's blocks, ``[N, ...]`` bytes)."""
+        contiguous layout's blocks, ``[N, ...]`` bytes). Blocks a lookup was granted a URL
+        for are fetched from their tier into the same memory (:meth:`_load_granted`)."""
+        grants = remote.granted(self.ns_dir, hashes)
+        if grants:
+            if views_of is not None:
+                return self._load_granted(hashes, tensors_of, views_of, grants)
+            # Device memory: the daemon places them hot first (two passes, as before).
+            self._channel.report(control.FETCH, control.pack_fetch(
+                [hashes[i] for i in sorted(grants)]))
         if views_of is not None and self._native:
             if _fastread is not None:
                 return self._load_native(hashes, tensors_of, views_of)
@@ -259,6 +273,81 @@ class Loading(Layouts):
         for f in futures:
             f.result()
 
+    def _load_granted(self, hashes: list[bytes],
+                      tensors_of: Callable[[int], list[torch.Tensor]],
+                      views_of: Callable[[int], list[memoryview]],
+                      grants: dict[int, Any]) -> int:
+        """A load into host memory of which some blocks come from a shared tier: those are
+        fetched with their granted URLs on the remote threads (one GET each, into
+        ``views_of(i)``, verified as they land) while the others are read from the hot
+        tier; then the fetched blocks' hot copies are queued behind (written from this
+        memory, only if it has not changed)."""
+        n = len(hashes)
+        prefix = _Prefix(n)
+        outcomes: list[_Outcome | None] = [None] * n
+        headers: dict[int, bytearray] = {}
+        far = sorted(grants)
+
+        def fetch(i: int) -> None:
+            if not prefix.beyond(i):
+                headers[i] = bytearray(blockfile.HEADER_SIZE)
+                outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix,
+                                                headers[i], grants[i])
+
+        futures = [self._remote_pool.submit(fetch, i) for i in far]
+        near = [i for i in range(n) if i not in grants]
+        try:
+            if near:
+                sub = [hashes[i] for i in near]
+                if self._native and _fastread is not None:
+                    got = self._native_outcomes(sub, lambda k: views_of(near[k]))
+                else:
+                    got = [self._read_host(near[k], sub[k], views_of(near[k]), prefix,
+                                           self._scratch()) for k in range(len(near))]
+                for k, o in zip(near, got, strict=True):
+                    outcomes[k] = o
+                    if o is None or not o.ok:
+                        prefix.fail(k)
+        finally:
+            wait(futures)
+        end = self._finish_load(hashes, outcomes, tensors_of)
+        fetched = [i for i in far if i < end]
+        self._count(remote_blocks=len(fetched),
+                    remote_bytes=sum(outcomes[i].read for i in fetched))  # type: ignore[union-attr]
+        if fetched:
+            check = self._header_check
+            self.write_behind([hashes[i] for i in fetched],
+                              [bytes(headers[i][32:48]) for i in fetched],
+                              [tensors_of(i) for i in fetched],
+                              [check.payload_checksum(headers[i], hashes[i]) or
+                               blockfile.decode_header(headers[i]).checksum for i in fetched])
+        return end
+
+    def _read_remote(self, i: int, h: bytes, views: list[memoryview], prefix: _Prefix,
+                     header: bytearray, grant: control.Granted) -> _Outcome:
+        """:meth:`_read_host` for a granted block: one GET, verified the same way, within
+        :data:`FETCH_FLOOR_S` plus the transfer at :data:`FETCH_RATE` (a socket timeout:
+        a store that stops answering costs a miss, not a hang)."""
+        probe = memoryview(bytearray(self._pad + 1))
+        try:
+            total, csum = remote.get_into(grant.url, memoryview(header), views, probe,
+                                          self._checksummed(h),
+                                          FETCH_FLOOR_S + grant.size / FETCH_RATE)
+        except FileNotFoundError:
+            prefix.fail(i)
+            return _Outcome()
+        except OSError as exc:
+            prefix.fail(i)
+            return _Outcome(error=exc)
+        out = _Outcome(read=min(total, self._file_bytes))
+        try:
+            self._verify_read(h, header, total, csum)
+            out.ok = True
+        except blockfile.BlockFormatError as exc:
+            prefix.fail(i)
+            out.error = exc
+        return out
+
     def _load_native(self, hashes: list[bytes],
                      tensors_of: Callable[[int], list[torch.Tensor]],
                      views_of: Callable[[int], list[memoryview]]) -> int:
@@ -266,6 +355,11 @@ class Loading(Layouts):
         header checks and checksums in one call without the GIL, by the rules of
         :meth:`_read_host`. A block it does not accept outright is read again by
         :meth:`_read_host`, which says why it fails."""
+        return self._finish_load(hashes, self._native_outcomes(hashes, views_of), tensors_of)
+
+    def _native_outcomes(self, hashes: list[bytes],
+                         views_of: Callable[[int], list[memoryview]]
+                         ) -> list[_Outcome | None]:
         n, check = len(hashes), self._header_check
         want = bytes(self._full or h[-1] % SAMPLE_EVERY == 0 for h in hashes)
         reads = _fastread.Reads([self.path(h) for h in hashes],
@@ -285,7 +379,7 @@ class Loading(Layouts):
             elif status == _fastread.ST_RECHECK:  # the reason, or sound after all
                 o = self._read_host(i, hashes[i], views_of(i), prefix, self._scratch())
             outcomes.append(o)
-        return self._finish_load(hashes, outcomes, tensors_of)
+        return outcomes
 
     def _verify_on_device(self, outcomes: Sequence[_Outcome | None],
                           tensors_of: Callable[[int], list[torch.Tensor]],

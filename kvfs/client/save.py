@@ -56,6 +56,11 @@ _ZEROS = memoryview(bytes(blockfile.ALIGN))
 ROOM_TTL = 1.0
 
 
+def _expected(csum: int, expect: int | None, path: str) -> None:
+    if expect is not None and csum != expect:
+        raise OSError(errno.EBADMSG, "the payload changed before its copy was written", path)
+
+
 class CacheFull(OSError):
     """The daemon refused blocks: the hot tier (or the tenant's quota) is full."""
 
@@ -146,11 +151,17 @@ class Saving(Layouts):
         return t.device.type != "cpu" or self.transport.device_verifies(t)
 
     def _save(self, hashes: list[bytes], parts_of: Callable[[int], list[torch.Tensor]],
-              parent: bytes | None, sums: list[tuple[int, int, int]] | None = None) -> int:
-        parents = [ROOT_PARENT if parent is None else bytes(parent), *hashes[:-1]]
+              parent: bytes | None, sums: list[tuple[int, int, int]] | None = None, *,
+              parents: list[bytes] | None = None, expects: list[int] | None = None) -> int:
+        """Write and publish the blocks not present. ``parents``: each block's parent (else a
+        chain from ``parent``); ``expects``: each payload's known checksum, a block whose
+        bytes no longer have it is not written (a copy from memory that changed)."""
+        if parents is None:
+            parents = [ROOT_PARENT if parent is None else bytes(parent), *hashes[:-1]]
         todo = [i for i, h in enumerate(hashes) if not os.path.exists(self.path(h))]
         futures = [(i, self._pool.submit(self._write_block, hashes[i], parents[i], parts_of(i),
-                                         sums[i] if sums is not None else None))
+                                         sums[i] if sums is not None else None,
+                                         expects[i] if expects is not None else None))
                    for i in todo]
         written: list[bytes] = []
         errors: list[BaseException] = []
@@ -179,9 +190,11 @@ class Saving(Layouts):
         return len(written)
 
     def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor],
-                     sums: tuple[int, int, int] | None = None) -> int:
+                     sums: tuple[int, int, int] | None = None, expect: int | None = None
+                     ) -> int:
         """Write one block file under a temporary name and rename it into place: version 2
-        (with the payload sums, given or computed here) where the parts are on a device."""
+        (with the payload sums, given or computed here) where the parts are on a device.
+        With ``expect``, a payload whose checksum is not it is not placed (EBADMSG)."""
         if sums is None and self._wants_sums(parts[0]):
             sums = devsum.payload_sums(parts)
         host = [p if p.device.type == "cpu" else p.to("cpu") for p in parts]
@@ -203,7 +216,7 @@ class Saving(Layouts):
             # One call, the GIL released: create (and the fan-out directory if new), hash and
             # write the payload, the header with its checksum, the padding, rename; the
             # temporary file is removed on a failure.
-            _write_native(tmp, final, header(0), views, len(pad), self.fsync)
+            _write_native(tmp, final, header(0), views, len(pad), self.fsync, expect)
             return blockfile.HEADER_SIZE + plen + len(pad)
         os.makedirs(fan, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
@@ -214,10 +227,13 @@ class Saving(Layouts):
                     # still in this core's cache for the write's copy), the header last:
                     # the file is renamed into place only once it is whole.
                     csum = pwrite_hashed(fd, views, blockfile.HEADER_SIZE)
+                    _expected(csum, expect, tmp)
                     pwritev_all(fd, [header(csum)], 0)
                     pwritev_all(fd, [pad], blockfile.HEADER_SIZE + plen)
                 else:
-                    pwritev_all(fd, [header(checksum(views)), *views, pad], 0)
+                    csum = checksum(views)
+                    _expected(csum, expect, tmp)
+                    pwritev_all(fd, [header(csum), *views, pad], 0)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -266,8 +282,46 @@ class Saving(Layouts):
         self._saves.put((list(hashes), kv, parent, event, sums))
         return True
 
+    def write_behind(self, hashes: list[bytes], parents: list[bytes],
+                     parts: list[list[torch.Tensor]], expects: list[int]) -> bool:
+        """Queue hot copies of blocks a load read from a lower tier, from the memory they
+        landed in (``parts[i]``: host tensors), on the writer thread: each is written only
+        if its payload still has checksum ``expects[i]`` (the caller may have reused the
+        memory meanwhile) and only as many as the hot tier has room for. False if the queue
+        was full (nothing queued)."""
+        if self._closed or not hashes or not self._save_slots.acquire(blocking=False):
+            return False
+        with self._lock:
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._write_queued, daemon=True,
+                                                name="kvfs-save")
+                self._writer.start()
+        self._saves.put(("behind", hashes, parents, parts, expects))
+        return True
+
+    def _write_behind(self, hashes: list[bytes], parents: list[bytes],
+                      parts: list[list[torch.Tensor]], expects: list[int]) -> None:
+        n = self.blocks_that_fit(len(hashes))
+        if n < len(hashes):
+            self._count(behind_skipped=len(hashes) - n)
+        if n:
+            written = self._save(hashes[:n], parts.__getitem__, None, parents=parents[:n],
+                                 expects=expects[:n])
+            self._count(behind_blocks=written)
+
     def _write_queued(self) -> None:
         while (item := self._saves.get()) is not None:
+            if item[0] == "behind":
+                try:
+                    self._write_behind(*item[1:])
+                except Exception as exc:  # noqa: BLE001 - a lost hot copy is a later fetch
+                    self._count(failed_saves=1)
+                    log.info("hot copy of %d fetched blocks not written: %s", len(item[1]),
+                             exc)
+                finally:
+                    self._save_slots.release()
+                    self._saves.task_done()
+                continue
             hashes, kv, parent, event, sums = item
             try:
                 if event is not None:

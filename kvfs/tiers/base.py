@@ -90,6 +90,11 @@ class Tier(ABC):
     def list(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         """(key, size) of every object whose key starts with `prefix`."""
 
+    def presign_get(self, key: str, expires: int) -> str | None:
+        """A URL that reads `key` alone, by anyone holding it, for `expires` seconds; None
+        where the tier has no such thing (a directory). Makes no request."""
+        return None
+
     def usage(self) -> tuple[int, int]:
         """(bytes, objects) held. Lists the whole tier: a walk of the tree for a directory,
         one LIST request per 1000 objects for S3. Meant for status and fsck, not hot paths."""

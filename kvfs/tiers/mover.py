@@ -62,6 +62,8 @@ class TierCounters:
     upload_failures: int = 0
     uploads_dropped: int = 0
     fetched_bytes: int = 0
+    grants: int = 0  # blocks a client was given a URL to read from this tier itself
+    granted_bytes: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
 
     def observe(self, seconds: float) -> None:
@@ -302,6 +304,38 @@ class Tiering:
             c.fetched_bytes += got.size
             got.tier = i + 1
             return got
+        return None
+
+    async def locate(self, key: str) -> tuple[int, int] | None:
+        """(0-based index, size) of the first lower tier that holds `key`, asked in order
+        (an S3 tier: one HEAD) within the deadlines and circuits of a fetch; None if none
+        does. Moves no block."""
+        for i, tier in enumerate(self.tiers):
+            c, breaker = self.counters[i], self.breakers[i]
+            opens = breaker.opens
+            if not breaker.allow():
+                c.skipped += 1
+                continue
+            try:
+                done, size = await self._call(i, tier.size, key, timeout=self.deadline(0),
+                                              opens=opens)
+            except _Refused:
+                c.skipped += 1
+                continue
+            except (TierError, OSError) as exc:
+                c.errors += 1
+                breaker.failure()
+                log.warning("locate %s: %s", key, exc)
+                continue
+            if not done:
+                c.timeouts += 1
+                breaker.failure()
+                continue
+            breaker.success()
+            if size is None:
+                c.misses += 1
+                continue
+            return i, size
         return None
 
     async def demote(self, key: str, path: Source, size: int) -> int:
