@@ -9,6 +9,7 @@ reader are compared in tests/test_client.py.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import struct
@@ -333,3 +334,26 @@ def test_a_failed_write_leaves_nothing(tmp_path: Path):
             fastread.write_block(str(tmp_path / "t"), str(tmp_path / "f.kv"), args[0],
                                  args[1], args[2], False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
+
+
+def test_a_copy_whose_memory_changed_is_not_placed(tmp_path: Path):
+    """write_block's `expect` (the write-behind of a block fetched from a shared tier): a
+    payload whose checksum is not the one it was fetched with is not renamed into place."""
+    spec = SMALL
+    h = b"h" * 16
+    good = _block(spec, h, 1)
+    payload = bytearray(good[4096:4096 + spec.block_payload_bytes])
+    want = blockfile.decode_header(good[:4096]).checksum
+    pad = len(good) - 4096 - spec.block_payload_bytes
+    header = _zero_checksum_header(spec, h)
+    final = tmp_path / "f.kv"
+    assert fastread.write_block(str(tmp_path / "t"), str(final), header,
+                                [memoryview(payload)], pad, False, want) == want
+    assert final.read_bytes() == good
+    final.unlink()
+    payload[7] ^= 1  # the destination was reused before the copy was written
+    with pytest.raises(OSError) as exc:
+        fastread.write_block(str(tmp_path / "t"), str(final), header, [memoryview(payload)],
+                             pad, False, want)
+    assert exc.value.errno == errno.EBADMSG
+    assert list(tmp_path.iterdir()) == []

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from .conftest import kvfs
+from .conftest import in_child, kvfs
 from .s3server import s3  # noqa: F401 - the fixture
 
 torch = pytest.importorskip("torch")
@@ -137,3 +137,53 @@ def test_a_lookup_budget_bounds_a_slow_store(mount_factory, s3):  # noqa: F811
         assert b.stats()["tenants"]["t"][SPEC.namespace]["promotions"] == 4
     finally:
         proxy.close()
+
+
+def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # noqa: F811
+    """The daemon is the authority over what a client may read from the shared tier: a
+    grant's answer is for the uid that asked, on the directory it asked on; its URL reads
+    that one object (another key with the same signature is refused by the store); a
+    corrupt object fetched with it is a miss, never served, and gets no hot copy."""
+    import urllib.error
+    import urllib.request
+    from urllib.parse import quote
+
+    from kvfs import control
+
+    a, b = mounts(mount_factory, s3)
+    kvfs("tenant", "add", str(b.mnt), "u", "--uid", "1001", "--gid", "1001")
+    hashes, kv_in = save(a, list(range(16 * 4)))
+    wait_uploaded(s3, hashes)
+    kv.KVCache.open(b.mnt, tenant="t", spec=SPEC).close()  # the namespace, on b
+    ns_b = str(b.mnt / "t" / SPEC.namespace)
+    nonce = os.urandom(16)
+    os.setxattr(ns_b, control.GRANT, control.pack_grant(nonce, hashes))
+    reply = control.GRANT_REPLY + nonce.hex().encode()
+    granted = control.unpack_grant_reply(os.getxattr(ns_b, reply))
+    assert [g.kind for g in granted] == [control.GRANT_URL] * 4
+    assert all(f"/t/{quote(SPEC.namespace)}/" in g.url for g in granted)
+    with urllib.request.urlopen(granted[0].url, timeout=5) as resp:
+        assert len(resp.read()) == granted[0].size
+    # Another uid cannot read the answer, even where it may read the directory.
+    os.chmod(b.mnt / "t", 0o755)
+    os.chmod(ns_b, 0o755)
+    with pytest.raises(OSError) as exc:
+        in_child(1001, 1001, lambda: os.getxattr(ns_b, reply).hex())
+    assert exc.value.errno == 61  # ENODATA: not its grant
+    # The signature is for one key: the same query on another object is refused.
+    first, second = granted[0].url, granted[1].url
+    forged = second.split("?")[0] + "?" + first.split("?")[1]
+    with pytest.raises(urllib.error.HTTPError) as http:
+        urllib.request.urlopen(forged, timeout=5)
+    assert http.value.code == 403
+    # A corrupt object: fetched, found bad, not served, no hot copy.
+    client = s3.client()
+    key = f"kvfs/t/{SPEC.namespace}/{kv.hashing.block_relpath(hashes[2])}"
+    body = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    body[4096 + 100] ^= 0xFF
+    client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(body))
+    stats: dict = {}
+    got, out, _ = load(b, hashes, kv_in, stats)
+    assert got == 2 and torch.equal(out[:2], kv_in[:2]) and not out[2].any()
+    assert stats["corrupt_blocks"] == 1 and stats["remote_blocks"] == 2
+    assert not os.path.exists(os.path.join(ns_b, kv.hashing.block_relpath(hashes[2])))
