@@ -51,7 +51,8 @@ class Commands:
         await self.adoption.ensure_listed(dnode.inode)
         try:
             if name == control.PUBLISH:
-                await self.publish(dnode, control.unpack_hashes(value))
+                hashes, fetched = control.unpack_publish(value)
+                await self.publish(dnode, hashes, fetched=fetched)
             elif name == control.ACCESS:
                 access = control.Access.unpack(value)
                 await self.adoption.listed_fans(dnode, access.hashes)
@@ -69,8 +70,11 @@ class Commands:
             log.warning("refused %s from uid %d: %s", name.decode(), ctx.uid, exc)
             raise FUSEError(errno.EINVAL) from None
 
-    async def publish(self, dnode: Node, hashes: list[bytes]) -> None:
-        """Index blocks that a client wrote and renamed into place below `dnode`."""
+    async def publish(self, dnode: Node, hashes: list[bytes], *, fetched: bool = False
+                      ) -> None:
+        """Index blocks that a client wrote and renamed into place below `dnode`
+        (`fetched`: hot copies of blocks it read from a shared tier: promotions, not
+        uploaded again)."""
         tree, adoption = self.tree, self.adoption
         await adoption.listed_fans(dnode, hashes)
         dpath = tree.path(dnode)
@@ -146,8 +150,11 @@ class Commands:
                                          parent_hash=hdr.parent_hash)
                 changed.add(fnode.inode)
                 self.residency.enter_block(node, current=True)
-                tree.publish_shared(node)
                 tree.stats.account(key, 1, st.st_size)
+                if fetched:
+                    c.promotions += 1
+                    continue
+                tree.publish_shared(node)
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
             tree.dir_changed(*changed)

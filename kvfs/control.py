@@ -9,6 +9,8 @@ clients split larger batches.
 
 - ``user.kvfs.publish``: N x 16-byte block hashes. The files ``<hh>/<hash>.kv`` below the
   directory were written and renamed into place: verify their headers and index them.
+  Optionally preceded by ``KVP1`` and a little-endian u32 of flags: ``PUBLISH_FETCHED``,
+  the blocks are hot copies of what a load read from a shared tier (not uploaded again).
 - ``user.kvfs.access``: an `Access` record followed by N x 16-byte hashes of blocks that
   were hits (their access time drives LRU). Counts a lookup's hits and misses.
 - ``user.kvfs.corrupt``: N x 16-byte hashes of blocks that failed verification on read:
@@ -91,6 +93,29 @@ def unpack_hashes(value: bytes) -> list[bytes]:
     if len(value) % HASH_LEN:
         raise ControlError(f"payload of {len(value)} bytes is not a list of 16-byte hashes")
     return [value[i:i + HASH_LEN] for i in range(0, len(value), HASH_LEN)]
+
+
+_PUBLISH_FLAGS = struct.Struct("<4sI")
+PUBLISH_MAGIC = b"KVP1"
+#: Publish flag: hot copies of blocks read from a shared tier, which holds them already.
+PUBLISH_FETCHED = 1
+
+
+def pack_publish(hashes: list[bytes], *, fetched: bool = False) -> bytes:
+    if not fetched:
+        return pack_hashes(hashes)
+    if len(hashes) * HASH_LEN + _PUBLISH_FLAGS.size > XATTR_MAX:
+        raise ControlError(f"at most {MAX_HASHES} hashes per command")
+    return _PUBLISH_FLAGS.pack(PUBLISH_MAGIC, PUBLISH_FETCHED) + pack_hashes(hashes)
+
+
+def unpack_publish(value: bytes) -> tuple[list[bytes], bool]:
+    """(hashes, fetched) of a publish command; the flagged form is 8 bytes longer than a
+    multiple of 16, so the two cannot be mistaken for each other."""
+    if len(value) % HASH_LEN == _PUBLISH_FLAGS.size and value[:4] == PUBLISH_MAGIC:
+        _, flags = _PUBLISH_FLAGS.unpack_from(value)
+        return unpack_hashes(value[_PUBLISH_FLAGS.size:]), bool(flags & PUBLISH_FETCHED)
+    return unpack_hashes(value), False
 
 
 _FETCH_BUDGET = struct.Struct("<4sI")

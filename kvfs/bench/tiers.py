@@ -154,6 +154,12 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                           r["latency_ms"] / r["baseline_ms"]),
                          f"median of {len(r['rounds']) - r['short_rounds']} of "
                          f"{res['params']['repeats']} rounds"))
+            if tier == "s3" and r.get("url_gbps") is not None:
+                rows.append((f"  restore from {label} vs the fastest client",
+                             _f(r["gbps"], unit=" GB/s"),
+                             f"{_f(r['url_gbps'], unit=' GB/s')} (presigned GET + urllib3 "
+                             f"readinto x{TIER_THREADS})", r["url_ratio"],
+                             "URLs signed beforehand, no verification"))
             if tier != "hot":
                 src = "GET" if tier == "s3" else "sendfile"
                 rows.append((f"  restore from {label} vs copy", _f(r["gbps"], unit=" GB/s"),

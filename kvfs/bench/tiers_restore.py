@@ -212,6 +212,47 @@ class RawS3:
         self.client.close()
 
 
+class RawURLs:
+    """The fastest plain client measured on these objects (kvfs bench s3clients): presigned
+    GETs (signed beforehand, untimed) read by urllib3, ``readinto`` straight into memory,
+    on as many threads as the daemon's tier pool."""
+
+    def __init__(self, raw_s3: RawS3, file_bytes: int, n: int) -> None:
+        import urllib3  # noqa: PLC0415 - botocore's own dependency
+
+        self.raw_s3 = raw_s3
+        self.http = urllib3.PoolManager(maxsize=TIER_THREADS, retries=False,
+                                        timeout=urllib3.Timeout(connect=2, read=10))
+        self.file_bytes = file_bytes
+        self.buf = memoryview(bytearray(file_bytes * n))
+        self.pool = ThreadPoolExecutor(TIER_THREADS, thread_name_prefix="raw-url")
+
+    def read(self, keys: Sequence[str]) -> float:
+        urls = [self.raw_s3.client.generate_presigned_url(
+            "get_object", Params={"Bucket": BUCKET, "Key": k}, ExpiresIn=300) for k in keys]
+
+        def one(i: int) -> None:
+            resp = self.http.request("GET", urls[i], preload_content=False)
+            try:
+                if resp.status != 200:
+                    raise OSError(f"{keys[i]}: HTTP {resp.status}")
+                view, got = self.buf[i * self.file_bytes:(i + 1) * self.file_bytes], 0
+                while got < len(view) and (k := resp.readinto(view[got:])):
+                    got += k
+                if got != self.file_bytes:
+                    raise OSError(f"{keys[i]}: short object")
+            finally:
+                resp.release_conn()
+
+        t0 = time.perf_counter()
+        list(self.pool.map(one, range(len(keys))))
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.http.clear()
+
+
 class CopyBack:
     """The least a restore from a lower tier must move: each block copied from the tier into a
     new file on the hot filesystem (``sendfile`` from a file, the GET's body from S3), then
@@ -305,6 +346,7 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
     raw_files = RawFiles(file_bytes, n, threads)
     raw_s3 = RawS3(s3_endpoint, TIER_THREADS)
     copier = CopyBack(file_bytes, n, raw_s3, scratch)
+    raw_urls = RawURLs(raw_s3, file_bytes, n)
     out = torch.zeros((n, *spec.block_shape), dtype=torch.bfloat16)
     rows: dict[str, list[dict[str, Any]]] = {"hot": [], "cold": [], "s3": []}
     before = {"cold": r_dir.tier(), "s3": r_s3.tier()}
@@ -338,6 +380,8 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
                         "method": lambda c=cache, h=hashes: request(c, h, out, timeout)}
                     if copy is not None:
                         steps["copy"] = copy
+                    if tier == "s3":
+                        steps["urls"] = lambda k=keys: raw_urls.read(k)
                     names = list(steps)
                     for name in names[r % len(names):] + names[:r % len(names)]:
                         got[name] = steps[name]()
@@ -360,6 +404,11 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
                             f"skipped, circuit {d['circuit']})")
                     if tier == "hot" and (d["hits"] or d["timeouts"]):
                         res["short"] = True  # not a hot load: it fetched
+                    if "urls" in got:
+                        res.update(url_s=got["urls"], url_gbps=payload / got["urls"] / 1e9,
+                                   url_ratio=got["urls"] / res["seconds"])
+                    if tier == "s3":
+                        cache.flush()  # untimed: the hot copies written behind are in
                     rows[tier].append(res)
                 log(f"  round {r + 1}/{len(sets)}: " + ", ".join(
                     f"{t} {rows[t][-1]['gbps']:.2f} GB/s (x{rows[t][-1]['ratio']:.2f} of raw, "
@@ -368,6 +417,7 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
         raw_s3.close()
         raw_files.pool.shutdown()
         copier.close()
+        raw_urls.close()
     after = {"cold": r_dir.tier(), "s3": r_s3.tier()}
     result: dict[str, Any] = {"blocks": n, "block_mib": args.block_mib,
                               "payload_bytes": payload, "client_threads": threads,
@@ -387,6 +437,10 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
             "load_ms": ms(median([x["load_s"] for x in ok])),
             "storage_share": median([x["storage_share"] for x in ok]),
         }
+        if tier == "s3":
+            result[tier].update(
+                url_gbps=median([x["url_gbps"] for x in rs]),
+                url_ratio=median([x["url_ratio"] for x in ok]))
         if tier != "hot":
             result[tier].update(
                 copy_gbps=median([x["copy_gbps"] for x in rs]),

@@ -179,7 +179,8 @@ class Saving(Layouts):
             for k in range(0, len(written), m):
                 batch = written[k:k + m]
                 try:
-                    self._channel.command(control.PUBLISH, control.pack_hashes(batch))
+                    self._channel.command(control.PUBLISH, control.pack_publish(
+                        batch, fetched=expects is not None))
                 except OSError as exc:
                     if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
                         raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
