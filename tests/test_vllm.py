@@ -333,6 +333,10 @@ def test_two_mounts_sharing_s3_restore_each_others_context(work, s3):  # noqa: F
         assert b["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
         st = m2.stats()
         assert st["tenants"]["acme"][b["namespace"]]["promotions"] == HIT_BLOCKS
+        # One pass: the engine's client fetched each object itself with the URL its daemon
+        # granted (the daemon fetched none) and wrote the hot copies behind.
+        assert st["tiers"][0]["grants"] == HIT_BLOCKS and st["tiers"][0]["hits"] == 0
+        assert b["worker"]["client"]["remote_blocks"] == HIT_BLOCKS
         # The promotion ran while the request waited: the scheduler was told "not yet" (None)
         # rather than kept waiting for the tier.
         assert b["scheduler"]["deferred"] >= 1

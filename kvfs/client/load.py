@@ -214,6 +214,14 @@ class Loading(Layouts):
             try:
                 if ready is not None:
                     ready.synchronize()
+                if out.device.type == "cpu" and remote.has_grants(self.ns_dir, hashes):
+                    # Blocks to fetch from a shared tier: whole, each in one GET (the
+                    # network, not the layer order, sets the pace), then every layer at once.
+                    n = self.load(hashes, out)
+                    for layer in range(self.spec.num_layers):
+                        handle._layer_ready(layer, n)
+                    handle._finish(n)
+                    return
                 handle._finish(self._load_layerwise(list(hashes), blocks, handle))
             except BaseException as exc:  # noqa: BLE001 - handed to the waiter
                 handle._finish(0, exc)

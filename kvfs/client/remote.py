@@ -98,6 +98,12 @@ def granted(ns_dir: str, hashes: Sequence[bytes]) -> dict[int, control.Granted]:
     return out
 
 
+def has_grants(ns_dir: str, hashes: Sequence[bytes]) -> bool:
+    """Whether some of ``hashes`` have a URL grant (left in the table)."""
+    with _lock:
+        return bool(_TABLE) and any((ns_dir, bytes(h)) in _TABLE for h in hashes)
+
+
 def forget(ns_dir: str) -> None:
     """Drop this namespace's grants (the cache is closing)."""
     with _lock:
