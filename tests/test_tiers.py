@@ -238,26 +238,37 @@ def test_s3_store_down_fails_fast_and_recovers(s3, tmp_path: Path) -> None:
 
 def test_s3_without_conditional_put(s3, tmp_path: Path) -> None:
     """A store that answers 501 to If-None-Match: the tier falls back to HEAD then PUT."""
-    from botocore.awsrequest import AWSResponse
-
     tier = s3_tier(s3)
     refused = []
+    real = tier._connection
 
-    class Raw:
-        def stream(self, **_kw):
-            return iter([b""])
+    class NotImplemented501:
+        status, reason = 501, "Not Implemented"
 
-    def no_conditionals(request, **_kw):
-        if "If-None-Match" in request.headers:
-            refused.append(request.url)
-            body = (b"<Error><Code>NotImplemented</Code><Message>A header you provided "
+        def read(self) -> bytes:
+            return (b"<Error><Code>NotImplemented</Code><Message>A header you provided "
                     b"implies functionality that is not implemented</Message></Error>")
-            resp = AWSResponse(request.url, 501, {"Content-Type": "application/xml"}, Raw())
-            resp._content = body
-            return resp
-        return None
 
-    tier._client.meta.events.register("before-send.s3.PutObject", no_conditionals)
+    class NoConditionals:
+        """The tier's connection, but a conditional PUT gets the 501 of such a store."""
+
+        def __init__(self, u) -> None:
+            self.conn, self.fake = real(u), False
+
+        def request(self, method, target, body=None, headers=None) -> None:
+            self.fake = method == "PUT" and "If-None-Match" in (headers or {})
+            if self.fake:
+                refused.append(target)
+            else:
+                self.conn.request(method, target, body=body, headers=headers or {})
+
+        def getresponse(self):
+            return NotImplemented501() if self.fake else self.conn.getresponse()
+
+        def close(self) -> None:
+            self.conn.close()
+
+    tier._connection = NoConditionals
     key = make_block(tmp_path / "a", 8)
     make_block(tmp_path / "b", 9)
     assert tier.put(key, str(tmp_path / "a")) is True
