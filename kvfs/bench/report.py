@@ -17,7 +17,19 @@ import os
 import tempfile
 from typing import Any
 
-from . import backends, crossover, degraded, door, engine, hitrate, mount, plot, restore, tiers
+from . import (
+    backends,
+    crossover,
+    degraded,
+    door,
+    engine,
+    hitrate,
+    mount,
+    plot,
+    restore,
+    s3clients,
+    tiers,
+)
 from .records import (  # noqa: F401 - ReportError, command_line, conditions_text: the API
     NOT_PARAMETERS,
     Kind,
@@ -60,7 +72,8 @@ it says so and exits. (Its JSON output is not yet a record of this page: a recor
 
 #: Every kind, in the order of the document.
 KINDS: list[Kind] = [crossover.KIND, restore.KIND, hitrate.KIND, degraded.KIND, tiers.KIND,
-                     mount.KIND, TRACE, engine.KIND, backends.KIND, GPU, door.KIND]
+                     mount.KIND, TRACE, engine.KIND, backends.KIND, GPU, door.KIND,
+                     s3clients.KIND]
 BY_NAME = {k.name: k for k in KINDS}
 
 

@@ -178,6 +178,15 @@ def cmd_bench_degraded(args: argparse.Namespace) -> int:
     return degraded.main(args)
 
 
+def cmd_bench_s3clients(args: argparse.Namespace) -> int:
+    from ..bench import s3clients  # noqa: PLC0415
+
+    why = s3clients.check_args(args)
+    if why:
+        raise CliError(why, EXIT_USAGE)
+    return s3clients.run(args)
+
+
 def cmd_bench_trace(args: argparse.Namespace) -> int:
     from .. import trace  # noqa: PLC0415
     from ..bench.common import conditions, finish  # noqa: PLC0415
@@ -360,6 +369,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     bd.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
     add_output_args(bd)
     bd.set_defaults(func=cmd_bench_degraded)
+
+    bs3 = bsub.add_parser("s3clients", help="S3 clients on the same objects: boto3, obstore, "
+                          "awscrt, urllib3 with presigned URLs; GET and PUT against a local "
+                          "SeaweedFS; presigning cost")
+    from ..bench.s3clients import add_args as s3clients_args  # noqa: PLC0415 - stdlib only
+    s3clients_args(bs3)
+    add_output_args(bs3)
+    bs3.set_defaults(func=cmd_bench_s3clients)
 
     bt = bsub.add_parser("trace", help="write a generated agentic or mixed trace (Mooncake "
                          "format) and measure it: shared prefix, reuse, concurrency, gaps")
