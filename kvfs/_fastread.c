@@ -112,7 +112,8 @@ static update_fn hash_update = update_default;
 typedef struct {
     PyObject_HEAD
     Py_ssize_t n;                /* blocks */
-    char **paths;                /* each a copy, owned */
+    char **paths;                /* each a copy, owned; NULL where the block's fd is given */
+    int *fds;                    /* a file the caller holds open (a lookup's lease), or -1 */
     unsigned char *hashes;       /* n x 16 */
     unsigned char *want;         /* checksum block i's payload */
     Py_buffer *bufs;             /* every block's destination buffers, in order */
@@ -239,10 +240,9 @@ header_ok(const Reads *r, const unsigned char *h, const unsigned char *bh, uint6
 static int
 read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
 {
-    int fd;
-    do
-        fd = open(r->paths[i], O_RDONLY | O_CLOEXEC);
-    while (fd < 0 && errno == EINTR); /* as Python's os.open (PEP 475) */
+    int fd = r->fds[i];
+    while (fd < 0 && (fd = open(r->paths[i], O_RDONLY | O_CLOEXEC)) < 0 && errno == EINTR)
+        ; /* as Python's os.open (PEP 475) */
     if (fd < 0) {
         r->err[i] = errno;
         return errno == ENOENT ? ST_ABSENT : ST_OSERROR;
@@ -336,7 +336,8 @@ read_block(Reads *r, Py_ssize_t i, unsigned char *header, unsigned char *probe)
         }
     }
     int e = errno;
-    close(fd);
+    if (r->fds[i] < 0)
+        close(fd); /* a given fd stays the caller's */
     if (n < 0) {
         r->err[i] = e;
         return ST_OSERROR;
@@ -400,6 +401,7 @@ Reads_dealloc(Reads *r)
     for (Py_ssize_t k = 0; k < r->nbufs; k++)
         PyBuffer_Release(&r->bufs[k]);
     PyMem_Free(r->paths);
+    PyMem_Free(r->fds);
     PyMem_Free(r->hashes);
     PyMem_Free(r->want);
     PyMem_Free(r->bufs);
@@ -462,6 +464,7 @@ Reads_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     }
     r->n = n;
     r->paths = PyMem_Calloc((size_t)n + 1, sizeof(char *));
+    r->fds = PyMem_Calloc((size_t)n + 1, sizeof(int));
     r->hashes = PyMem_Malloc(16 * (size_t)n + 1);
     r->want = PyMem_Malloc((size_t)n + 1);
     r->bufs = PyMem_Calloc((size_t)nb + 1, sizeof(Py_buffer));
@@ -470,7 +473,7 @@ Reads_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     r->total = PyMem_Calloc((size_t)n + 1, sizeof(long long));
     r->err = PyMem_Calloc((size_t)n + 1, sizeof(int));
     r->order = PyMem_Calloc((size_t)n + 1, sizeof(Py_ssize_t));
-    if (!r->paths || !r->hashes || !r->want || !r->bufs || !r->first || !r->status ||
+    if (!r->paths || !r->fds || !r->hashes || !r->want || !r->bufs || !r->first || !r->status ||
         !r->total || !r->err || !r->order) {
         Py_DECREF(r);
         return PyErr_NoMemory();
@@ -498,16 +501,28 @@ Reads_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     atomic_init(&r->next, 0);
     atomic_init(&r->end, (long)n);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *p = NULL;
-        if (!PyUnicode_FSConverter(PyList_GET_ITEM(paths, i), &p)) {
+        PyObject *p = NULL, *item = PyList_GET_ITEM(paths, i);
+        r->fds[i] = -1;
+        if (PyLong_Check(item)) { /* an open fd: read, never closed here */
+            long fd = PyLong_AsLong(item);
+            if (fd < 0 || fd > INT_MAX) {
+                if (!PyErr_Occurred())
+                    PyErr_Format(PyExc_ValueError, "paths[%zd]: a bad fd %ld", i, fd);
+                Py_DECREF(r);
+                return NULL;
+            }
+            r->fds[i] = (int)fd;
+        } else if (!PyUnicode_FSConverter(item, &p)) {
             Py_DECREF(r);
             return NULL;
         }
-        r->paths[i] = PyMem_Malloc((size_t)PyBytes_GET_SIZE(p) + 1);
-        if (r->paths[i])
-            memcpy(r->paths[i], PyBytes_AS_STRING(p), (size_t)PyBytes_GET_SIZE(p) + 1);
-        Py_DECREF(p);
-        if (!r->paths[i]) {
+        if (p) {
+            r->paths[i] = PyMem_Malloc((size_t)PyBytes_GET_SIZE(p) + 1);
+            if (r->paths[i])
+                memcpy(r->paths[i], PyBytes_AS_STRING(p), (size_t)PyBytes_GET_SIZE(p) + 1);
+            Py_DECREF(p);
+        }
+        if (r->fds[i] < 0 && !r->paths[i]) {
             Py_DECREF(r);
             return PyErr_NoMemory();
         }
@@ -548,7 +563,8 @@ static PyMethodDef Reads_methods[] = {
 static PyTypeObject ReadsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "kvfs._fastread.Reads",
-    .tp_doc = "The reads of one load: Reads(paths, dests, hashes, want, lead1, lead2, mid, "
+    .tp_doc = "The reads of one load (a path, or an fd the caller holds open and closes): "
+              "Reads(paths, dests, hashes, want, lead1, lead2, mid, "
               "payload, file_size).",
     .tp_basicsize = sizeof(Reads),
     .tp_flags = Py_TPFLAGS_DEFAULT,

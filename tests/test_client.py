@@ -897,3 +897,44 @@ def test_a_lost_index_is_adopted_while_clients_work(mount, tenant):
     mount.stop()
     res = kvfs_cli("fsck", str(mount.backing))
     assert " 0 added, 0 dropped, 0 updated" in res.stdout, res.stdout
+
+
+@pytest.mark.parametrize("how", ["evicted", "removed", "layer-wise"])
+def test_a_lookup_leases_its_blocks_to_the_load(mount_factory, monkeypatch, how):
+    """Blocks a lookup reported stay loadable until the load reads them: an eviction (a
+    save that needs their room, in another client, between the two) or an `rm` through the
+    mount takes their names, not their bytes; the load gets every block, verified. Past the
+    lease, a lookup's blocks are read by name again (gone: a miss)."""
+    from kvfs.client import leases
+
+    mount = mount_factory(extra=["--capacity", "40K"])  # 8 KiB files: four fit
+    kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")
+    with KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as c, \
+            KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as other:
+        old = c.block_hashes(tokens(4))
+        c.save(old, kv_of(old))
+        assert c.lookup(old) == 4 and leases.held() >= 4
+        if how == "removed":
+            for h in old:
+                os.unlink(os.path.join(c.ns_dir, hashing.block_relpath(h)))
+        else:  # another client's save needs the room: the looked-up blocks are evicted
+            new = other.block_hashes(tokens(4, start=1000))
+            other.save(new, kv_of(new))
+        assert not any(os.path.exists(c.path(h)) for h in old), "nothing was evicted"
+        out = empty(4)
+        if how == "layer-wise":
+            assert c.load_async(old, out).wait(30) == 4
+        else:
+            assert c.load(old, out) == 4
+        assert digest(out) == digest(kv_of(old))
+        assert leases.held() == 0 or not any(
+            (c.ns_dir, h) in leases._TABLE for h in old)  # the load closed them
+        # Past its lease, a lookup's block is read by name.
+        monkeypatch.setattr(leases, "LEASE_S", 0.0)
+        again = other.block_hashes(tokens(4, start=1000))
+        other.save(again, kv_of(again))
+        assert c.lookup(again) == 4
+        for h in again:
+            os.unlink(os.path.join(c.ns_dir, hashing.block_relpath(h)))
+        time.sleep(0.01)
+        assert c.load(again, empty(4)) == 0

@@ -43,7 +43,7 @@ from ..layout import MANIFEST as _MANIFEST
 from ..layout import TEMP_PREFIX
 from ..transport import PosixTransport
 from ..transport import select as select_transport
-from . import remote
+from . import leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .layouts import DTYPES
 from .load import Loading
@@ -193,6 +193,7 @@ class KVCache(Saving, Loading):
         self._remote_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         remote.forget(self.ns_dir)
+        leases.forget(self.ns_dir)
 
     def __enter__(self) -> KVCache:
         return self
@@ -250,7 +251,7 @@ class KVCache(Saving, Loading):
         (for example, the time to recompute them): what has not arrived by then is a miss
         for this lookup, and keeps arriving in the background for the next one. None: each
         fetch is bounded by the mount's fetch deadline only."""
-        n = self._hot_prefix(hashes, 0)
+        n = leases.take(self.ns_dir, self.path, hashes)  # the hot prefix, leased to the load
         fetched = n < len(hashes) and bool(self.tiers)
         if fetched and self._grants:
             # One control call per MAX_GRANT blocks: where each block below can be read
@@ -271,23 +272,13 @@ class KVCache(Saving, Loading):
                 left = None if end is None else max(0.0, end - time.monotonic())
                 self._channel.report(control.FETCH, control.pack_fetch(
                     list(hashes[i:i + control.MAX_HASHES]), left))
-            n = self._hot_prefix(hashes, n)
+            n = leases.take(self.ns_dir, self.path, hashes, n)
         miss, bs = len(hashes) - n, self.spec.block_size
         # A lookup that found blocks holds its record back for the load that follows (one
         # control call per lookup + load); one that found none, or fetched, sends it now.
         self._channel.access(hashes[:n], defer=n > 0 and not fetched, now=fetched, lookups=1,
                      hit_blocks=n, miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
         self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
-        return n
-
-    def _hot_prefix(self, hashes: Sequence[bytes], start: int) -> int:
-        n, path, access, there = start, self.path, os.access, os.F_OK
-        for h in hashes[start:]:
-            # faccessat(F_OK) as this process's effective ids, as stat would: half the cost
-            # of os.path.exists, which builds a stat result.
-            if not access(path(h), there, effective_ids=True):
-                break
-            n += 1
         return n
 
     def prefetch(self, hashes: Sequence[bytes]) -> Future[int]:

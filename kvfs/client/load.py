@@ -28,7 +28,7 @@ import torch
 
 from .. import blockfile, control, devsum
 from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
-from . import remote
+from . import leases, remote
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
 
@@ -72,10 +72,12 @@ class _Opened:
 
 
 class _Prefix:
-    """The first failed block of a load, shared by its reader threads."""
+    """The first failed block of a load, shared by its reader threads, and the descriptors
+    its lookup leased (block hash -> fd), read in place of the names."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, leased: dict[bytes, int] | None = None) -> None:
         self.end = n
+        self.leased = leased or {}
         self._lock = threading.Lock()
 
     def fail(self, i: int) -> None:
@@ -239,18 +241,29 @@ class Loading(Layouts):
         not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
         contiguous layout's blocks, ``[N, ...]`` bytes). Blocks a lookup was granted a URL
         for are fetched from their tier into the same memory (:meth:`_load_granted`)."""
+        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes).items()}
+        try:
+            return self._load_leased(hashes, tensors_of, views_of, batch, leased)
+        finally:
+            leases.release(leased)
+
+    def _load_leased(self, hashes: list[bytes],
+                     tensors_of: Callable[[int], list[torch.Tensor]],
+                     views_of: Callable[[int], list[memoryview]] | None,
+                     batch: torch.Tensor | None, leased: dict[bytes, int]) -> int:
         grants = remote.granted(self.ns_dir, hashes)
         if grants:
             if views_of is not None:
-                return self._load_granted(hashes, tensors_of, views_of, grants)
+                return self._load_granted(hashes, tensors_of, views_of, grants, leased)
             # Device memory: the daemon places them hot first (two passes, as before).
             self._channel.report(control.FETCH, control.pack_fetch(
                 [hashes[i] for i in sorted(grants)]))
         if views_of is not None and self._native:
             if _fastread is not None:
-                return self._load_native(hashes, tensors_of, views_of)
+                return self._finish_load(
+                    hashes, self._native_outcomes(hashes, views_of, leased), tensors_of)
             _say_unbuilt()
-        prefix = _Prefix(len(hashes))
+        prefix = _Prefix(len(hashes), leased)
         outcomes: list[_Outcome | None] = [None] * len(hashes)
         if views_of is not None:
             read: Callable[..., _Outcome] = self._read_host
@@ -284,14 +297,14 @@ class Loading(Layouts):
     def _load_granted(self, hashes: list[bytes],
                       tensors_of: Callable[[int], list[torch.Tensor]],
                       views_of: Callable[[int], list[memoryview]],
-                      grants: dict[int, Any]) -> int:
+                      grants: dict[int, Any], leased: dict[bytes, int]) -> int:
         """A load into host memory of which some blocks come from a shared tier: those are
         fetched with their granted URLs on the remote threads (one GET each, into
         ``views_of(i)``, verified as they land) while the others are read from the hot
         tier; then the fetched blocks' hot copies are queued behind (written from this
         memory, only if it has not changed)."""
         n = len(hashes)
-        prefix = _Prefix(n)
+        prefix = _Prefix(n, leased)
         outcomes: list[_Outcome | None] = [None] * n
         headers: dict[int, bytearray] = {}
         far = sorted(grants)
@@ -308,7 +321,7 @@ class Loading(Layouts):
             if near:
                 sub = [hashes[i] for i in near]
                 if self._native and _fastread is not None:
-                    got = self._native_outcomes(sub, lambda k: views_of(near[k]))
+                    got = self._native_outcomes(sub, lambda k: views_of(near[k]), leased)
                 else:
                     got = [self._read_host(near[k], sub[k], views_of(near[k]), prefix,
                                            self._scratch()) for k in range(len(near))]
@@ -356,25 +369,21 @@ class Loading(Layouts):
             out.error = exc
         return out
 
-    def _load_native(self, hashes: list[bytes],
-                     tensors_of: Callable[[int], list[torch.Tensor]],
-                     views_of: Callable[[int], list[memoryview]]) -> int:
-        """:meth:`_load` into host memory with :mod:`kvfs._fastread`: each thread's reads,
-        header checks and checksums in one call without the GIL, by the rules of
-        :meth:`_read_host`. A block it does not accept outright is read again by
-        :meth:`_read_host`, which says why it fails."""
-        return self._finish_load(hashes, self._native_outcomes(hashes, views_of), tensors_of)
-
     def _native_outcomes(self, hashes: list[bytes],
-                         views_of: Callable[[int], list[memoryview]]
-                         ) -> list[_Outcome | None]:
+                         views_of: Callable[[int], list[memoryview]],
+                         leased: dict[bytes, int]) -> list[_Outcome | None]:
+        """:meth:`_load`'s reads into host memory with :mod:`kvfs._fastread`: each
+        thread's reads, header checks and checksums in one call without the GIL, by the
+        rules of :meth:`_read_host` (a leased block read from its fd). A block it does not
+        accept outright is read again by :meth:`_read_host`, which says why it fails."""
         n, check = len(hashes), self._header_check
         want = bytes(self._full or h[-1] % SAMPLE_EVERY == 0 for h in hashes)
-        reads = _fastread.Reads([self.path(h) for h in hashes],
+        reads = _fastread.Reads([self.path(h) if (fd := leased.get(h)) is None else fd
+                                 for h in hashes],
                                 [views_of(i) for i in range(n)], hashes, want, *check.expected,
                                 self.spec.block_payload_bytes, check.file_size)
         self._on_threads(reads.run, n)
-        prefix = _Prefix(n)
+        prefix = _Prefix(n, leased)
         outcomes: list[_Outcome | None] = []
         for i, (status, total, err) in enumerate(reads.results()):
             o: _Outcome | None = None
@@ -437,7 +446,7 @@ class Loading(Layouts):
         into ``views``; then verify. No `fstat`: the bytes read give the file's size."""
         header, hview, probe = scratch
         try:
-            total, csum = read_file(self.path(h), hview, views, probe,
+            total, csum = read_file(self._where(h, prefix), hview, views, probe,
                                     self._full or h[-1] % SAMPLE_EVERY == 0)
         except FileNotFoundError:
             prefix.fail(i)
@@ -469,7 +478,7 @@ class Loading(Layouts):
         # checked there, by their payload sums, once the load's reads are done.
         on_device = checksummed and self.transport.device_verifies(dests[0])
         try:
-            f = self.transport.open(self.path(h))
+            f = self.transport.open(self._where(h, prefix))
             try:
                 n, csum = self.transport.read(f, 0, dests, header,
                                               want_checksum=checksummed and not on_device)
@@ -512,6 +521,11 @@ class Loading(Layouts):
             raise blockfile.BlockFormatError(
                 "checksum", f"payload checksum {csum:#018x}, header says {want:#018x}")
 
+    def _where(self, h: bytes, prefix: _Prefix) -> str:
+        """Where block ``h`` is read: its lookup's leased descriptor, or its name."""
+        fd = prefix.leased.get(h)
+        return self.path(h) if fd is None else f"/proc/self/fd/{fd}"
+
     def _checksummed(self, h: bytes) -> bool:
         return self._full or h[-1] % SAMPLE_EVERY == 0
 
@@ -530,7 +544,7 @@ class Loading(Layouts):
         """Open block i and check its header: the first step of a layer-wise load."""
         out = _Outcome()
         try:
-            f = self.transport.open(self.path(h))
+            f = self.transport.open(self._where(h, prefix))
         except OSError as exc:
             prefix.fail(i)
             out.error = None if isinstance(exc, FileNotFoundError) else exc
@@ -549,7 +563,14 @@ class Loading(Layouts):
 
     def _load_layerwise(self, hashes: list[bytes], blocks: torch.Tensor,
                         handle: LoadHandle) -> int:
-        prefix = _Prefix(len(hashes))
+        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes).items()}
+        try:
+            return self._load_layers(hashes, blocks, handle, _Prefix(len(hashes), leased))
+        finally:
+            leases.release(leased)
+
+    def _load_layers(self, hashes: list[bytes], blocks: torch.Tensor, handle: LoadHandle,
+                     prefix: _Prefix) -> int:
         opened = [f.result() for f in [self._pool.submit(self._open_verified, i, h, prefix)
                                        for i, h in enumerate(hashes)]]
         outcomes = [o.outcome for o in opened]
