@@ -492,6 +492,66 @@ def test_kv_events_offer_what_kvfs_stores_and_removes(work):
     assert set(removed) <= set(a) | set(c)
 
 
+@pytest.mark.mount
+def test_an_eviction_between_lookup_and_load_fails_no_request(work):
+    """vLLM's default kv_load_failure_policy, fail: a block the lookup reported that cannot
+    be loaded fails the request. A hot tier of 40 MB (13 of this model's 2.9 MB blocks); one
+    engine (its own prefix cache off) serves A's prompt, then A's prompt again. Between the
+    second request's lookup (12 blocks) and its load, another client's save of 13 blocks
+    makes kvfs evict A's blocks (the capacity pressure of a busy host): the lookup's leases
+    keep them loadable, and the request completes with all 12 loaded, none failed."""
+    mounts = _Mounts(work / "leases")
+    gate = work / "gate-leases"
+    gate.mkdir()
+    proc = None
+    try:
+        m = mounts.make("m", ["--capacity", "40M"])
+        argv, env = engine_argv(work, *kvfs_args(m.mnt), "--no-prefix-cache",
+                                "--failure-policy", "fail", "--lookup-gate", str(gate),
+                                "--prompt-file", str(work / "a.json"),
+                                "--prompt-file", str(work / "a.json"))
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env, cwd=str(ROOT))
+        evicted: list[int] = []
+
+        def evict() -> None:
+            ns = next(p for p in (m.mnt / "acme").iterdir() if p.is_dir())
+            files = list(ns.glob("*/*.kv"))
+            assert len(files) == HIT_BLOCKS, files
+            other = kv.ModelSpec(model="org/pressure", revision="r", kv_dtype="bfloat16",
+                                 block_size=BLOCK, num_layers=30, num_kv_heads=3, head_dim=64)
+            with kv.KVCache.open(m.mnt, tenant="acme", spec=other) as c:
+                hashes = c.block_hashes(list(range(13 * BLOCK)))
+                c.save(hashes, torch.randn(13, *other.block_shape).to(torch.bfloat16))
+            evicted.append(sum(not f.exists() for f in files))
+
+        deadline = time.monotonic() + 900
+        while not (gate / "looked-up-1").exists():
+            assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
+            assert time.monotonic() < deadline, "the engine never looked A's prompt up"
+            time.sleep(0.2)
+        evict()
+        (gate / "go-lookup-1").touch()
+        out, err = proc.communicate(timeout=900)
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        problems = mounts.close()
+    assert proc.returncode == 0, err[-6000:]
+    assert not problems, problems
+    # (Eviction is chain-aware: A's first block, the one every longer prefix needs, goes
+    # last, and may stay.)
+    assert evicted and evicted[0] >= HIT_BLOCKS - 1, (
+        f"{evicted} of A's blocks evicted between lookup and load")
+    rec = json.loads(out.strip().splitlines()[-1])
+    first, again = rec["requests"]
+    assert again["counters"].get("scheduler.hit_blocks") == HIT_BLOCKS
+    assert again["counters"].get("worker.loaded_blocks") == HIT_BLOCKS
+    assert not again["counters"].get("worker.failed_blocks")
+    assert again["cached_tokens"] == HIT_BLOCKS * BLOCK and again["text"]
+
+
 def _pass_gate(proc: subprocess.Popen, gate: Path, i: int, then) -> None:
     """Wait for the engine to reach gate ``i``, run ``then``, let it go on."""
     deadline = time.monotonic() + 900

@@ -61,13 +61,28 @@ def _recording(take: Any, into: list[dict[str, Any]]) -> Any:
     return take_events
 
 
-def _wait_gate(gate: str, i: int, timeout: float = 600.0) -> None:
-    with open(os.path.join(gate, f"ready-{i}"), "w"):
+def _gated(lookup: Any, gate: str) -> Any:
+    """``get_num_new_matched_tokens`` that, when it found blocks, stops at a gate."""
+    count = [0]
+
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        got = lookup(*args, **kwargs)
+        if got is not None and got[0]:
+            count[0] += 1
+            _wait_gate(gate, count[0], ready="looked-up", go="go-lookup")
+        return got
+
+    return gated
+
+
+def _wait_gate(gate: str, i: int, timeout: float = 600.0, *, ready: str = "ready",
+               go: str = "go") -> None:
+    with open(os.path.join(gate, f"{ready}-{i}"), "w"):
         pass
     deadline = time.monotonic() + timeout
-    while not os.path.exists(os.path.join(gate, f"go-{i}")):
+    while not os.path.exists(os.path.join(gate, f"{go}-{i}")):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no {gate}/go-{i} after {timeout} s")
+            raise TimeoutError(f"no {gate}/{go}-{i} after {timeout} s")
         time.sleep(0.05)
 
 
@@ -104,6 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gate", metavar="DIR",
                    help="before each prompt but the first, create DIR/ready-<i> and wait for "
                         "DIR/go-<i> (a test acts on the mount between two requests)")
+    p.add_argument("--lookup-gate", metavar="DIR",
+                   help="after each scheduler lookup that found blocks, create "
+                        "DIR/looked-up-<k> (k = 1, 2, ...) and wait for DIR/go-lookup-<k> (a "
+                        "test acts on the mount between a lookup and its load)")
     args = p.parse_args(argv)
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -145,6 +164,11 @@ def main(argv: list[str] | None = None) -> int:
         for c in _INSTANCES:
             if c.role == KVConnectorRole.SCHEDULER:
                 c.take_events = _recording(c.take_events, events)  # type: ignore[method-assign]
+    if args.lookup_gate:
+        for c in _INSTANCES:
+            if c.role == KVConnectorRole.SCHEDULER:
+                c.get_num_new_matched_tokens = _gated(  # type: ignore[method-assign]
+                    c.get_num_new_matched_tokens, args.lookup_gate)
     results: list[dict[str, Any]] = []
     snapshot_0 = snapshot()
     for i, path in enumerate(args.prompt_file):
