@@ -23,8 +23,9 @@ clients split larger batches.
   background), so that a queued request finds its blocks hot when its turn comes.
 - ``user.kvfs.grant``: ``KVG1``, a 16-byte nonce, a u32 budget in milliseconds (0: none)
   and N x 16-byte hashes the hot tier lacks: for the longest prefix of them that some tier
-  holds, say where each can be read. A block in a shared S3 tier gets a presigned GET of its
-  one object, valid for seconds (the client fetches it itself, once, into its destination);
+  may hold, say where each can be read. A block not in a directory tier gets a presigned GET
+  of its one object in the shared S3 tier, valid for seconds (the client's GET, sent at its
+  lookup, says whether it is there; its body is read into the destination by the load);
   a block in a tier the client cannot read itself (a directory) is promoted, as by
   ``fetch``, and is then hot. The answer is read with getxattr ``user.kvfs.grant.<nonce
   hex>`` on the same directory, by the same uid, within :data:`GRANT_REPLY_TTL` seconds.
@@ -181,7 +182,7 @@ GRANT_MAGIC = b"KVG1"
 GRANT_REPLY_MAGIC = b"KVR1"
 _GRANT = struct.Struct("<4s16sI")
 _REPLY = struct.Struct("<4sI")
-_ENTRY = struct.Struct("<BBQH")
+_ENTRY = struct.Struct("<BBQIH")
 #: Seconds an answer waits to be read (getxattr may be asked twice: for its size, then it).
 GRANT_REPLY_TTL = 10.0
 #: Hashes per grant command: each answer's URLs (about 600 bytes each) fit one xattr.
@@ -194,12 +195,15 @@ GRANT_URL = 1  #: one presigned GET of its object in a shared tier
 @dataclass(frozen=True)
 class Granted:
     """Where one block can be read: `kind` (GRANT_HOT or GRANT_URL), the 1-based lower tier
-    it is in (0: hot), its object's size in bytes and the URL (GRANT_URL)."""
+    it is in (0: hot), its object's size in bytes (0: not asked: the GET says whether it is
+    there), the URL (GRANT_URL) and the milliseconds the daemon's own fetch of it would be
+    given (the GET's deadline)."""
 
     kind: int
     tier: int = 0
     size: int = 0
     url: str = ""
+    deadline_ms: int = 0
 
 
 def pack_grant(nonce: bytes, hashes: list[bytes], budget: float | None = None) -> bytes:
@@ -228,7 +232,7 @@ def pack_grant_reply(entries: list[Granted]) -> bytes:
     out = [_REPLY.pack(GRANT_REPLY_MAGIC, len(entries))]
     for e in entries:
         url = e.url.encode()
-        out.append(_ENTRY.pack(e.kind, e.tier, e.size, len(url)) + url)
+        out.append(_ENTRY.pack(e.kind, e.tier, e.size, e.deadline_ms, len(url)) + url)
     value = b"".join(out)
     if len(value) > XATTR_MAX:
         raise ControlError(f"a grant answer of {len(value)} bytes does not fit an xattr")
@@ -244,13 +248,13 @@ def unpack_grant_reply(value: bytes) -> list[Granted]:
     for _ in range(n):
         if pos + _ENTRY.size > len(value):
             raise ControlError("a grant answer is cut short")
-        kind, tier, size, ulen = _ENTRY.unpack_from(value, pos)
+        kind, tier, size, deadline_ms, ulen = _ENTRY.unpack_from(value, pos)
         pos += _ENTRY.size
         url = value[pos:pos + ulen].decode()
         pos += ulen
         if kind not in (GRANT_HOT, GRANT_URL) or len(url) != ulen:
             raise ControlError("a grant answer holds an unknown entry")
-        out.append(Granted(kind, tier, size, url))
+        out.append(Granted(kind, tier, size, url, deadline_ms))
     if pos != len(value):
         raise ControlError("a grant answer has trailing bytes")
     return out

@@ -86,16 +86,16 @@ class Grants:
         if tiering is None or not tiering.reachable():
             return
         key = self.tree.tier_key(join(dpath, hashing.block_relpath(h).encode()))
-        where = await tiering.locate(key)
+        where = await tiering.locate(key, ask_presigned=False)
         if where is None:
             return
         t, size = where
         url = tiering.tiers[t].presign_get(key, GRANT_SECONDS)
         if url is not None:
-            c = tiering.counters[t]
-            c.grants += 1
-            c.granted_bytes += size
-            found[i] = control.Granted(control.GRANT_URL, t + 1, size, url)
+            tiering.counters[t].grants += 1
+            deadline = tiering.deadline(node.size if node is not None else size)
+            found[i] = control.Granted(control.GRANT_URL, t + 1, size or 0, url,
+                                       round(deadline * 1000))
             return
         # A tier the client cannot read itself: promoted here, then read hot. Run in the
         # mount's nursery, so that a spent budget leaves it to finish (placed whole or not).

@@ -96,8 +96,15 @@ def test_a_dead_store_costs_misses_within_the_deadline(mount_factory, s3):  # no
     assert seconds < 15, f"a dead store held a lookup for {seconds:.1f} s"
     got, out, _ = load(b, warm, warm_kv)  # the hot tier keeps serving
     assert got == 2 and torch.equal(out, warm_kv)
-    tier = b.stats()["tiers"][0]
-    assert tier["errors"] + tier["timeouts"] + tier["skipped"] >= 1, b.log_text()[-3000:]
+    # The client's failed GETs are left to b's daemon (a prefetch): its own fetches fail,
+    # and are counted, in the background.
+    deadline = time.monotonic() + 10
+    while True:
+        tier = b.stats()["tiers"][0]
+        if tier["errors"] + tier["timeouts"] + tier["skipped"] >= 1:
+            break
+        assert time.monotonic() < deadline, tier
+        time.sleep(0.1)
     s3.start()
     time.sleep(1.5)  # the circuit's cooldown
     deadline = time.monotonic() + 20
@@ -164,8 +171,9 @@ def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # n
     granted = control.unpack_grant_reply(os.getxattr(ns_b, reply))
     assert [g.kind for g in granted] == [control.GRANT_URL] * 4
     assert all(f"/t/{quote(SPEC.namespace)}/" in g.url for g in granted)
+    assert all(g.deadline_ms == 2000 for g in granted)  # the mount's --fetch-timeout
     with urllib.request.urlopen(granted[0].url, timeout=5) as resp:
-        assert len(resp.read()) == granted[0].size
+        assert resp.read()[:8] == b"KVFSBLK\0"
     # Another uid cannot read the answer, even where it may read the directory.
     os.chmod(b.mnt / "t", 0o755)
     os.chmod(ns_b, 0o755)

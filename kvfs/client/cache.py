@@ -255,9 +255,10 @@ class KVCache(Saving, Loading):
         fetched = n < len(hashes) and bool(self.tiers)
         if fetched and self._grants:
             # One control call per MAX_GRANT blocks: where each block below can be read
-            # (a presigned GET for a shared tier's, which the load makes itself).
+            # (a presigned GET for a shared tier's, sent now; the load reads its body).
             try:
-                n += len(remote.ask(self._channel, self.ns_dir, hashes[n:], budget))
+                n += remote.ask(self._channel, self.ns_dir, hashes[n:], budget,
+                                self._remote_pool)
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.EINVAL, errno.ENOTSUP):
                     raise

@@ -45,9 +45,6 @@ SAMPLE_EVERY = 8
 #: A load hands blocks to as many I/O threads as it has this many bytes for (at least one):
 #: below that, a thread hand-off costs more than the read it would take over.
 THREAD_BYTES = 1 << 20
-#: A granted GET's socket timeout: this many seconds, plus its bytes at FETCH_RATE bytes/s.
-FETCH_FLOOR_S = 1.0
-FETCH_RATE = 100e6
 
 
 @dataclass(slots=True)
@@ -256,6 +253,8 @@ class Loading(Layouts):
             if views_of is not None:
                 return self._load_granted(hashes, tensors_of, views_of, grants, leased)
             # Device memory: the daemon places them hot first (two passes, as before).
+            for a in grants.values():
+                a.close()
             self._channel.report(control.FETCH, control.pack_fetch(
                 [hashes[i] for i in sorted(grants)]))
         if views_of is not None and self._native:
@@ -297,7 +296,7 @@ class Loading(Layouts):
     def _load_granted(self, hashes: list[bytes],
                       tensors_of: Callable[[int], list[torch.Tensor]],
                       views_of: Callable[[int], list[memoryview]],
-                      grants: dict[int, Any], leased: dict[bytes, int]) -> int:
+                      grants: dict[int, remote.Answered], leased: dict[bytes, int]) -> int:
         """A load into host memory of which some blocks come from a shared tier: those are
         fetched with their granted URLs on the remote threads (one GET each, into
         ``views_of(i)``, verified as they land) while the others are read from the hot
@@ -310,10 +309,12 @@ class Loading(Layouts):
         far = sorted(grants)
 
         def fetch(i: int) -> None:
-            if not prefix.beyond(i):
-                headers[i] = bytearray(blockfile.HEADER_SIZE)
-                outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix,
-                                                headers[i], grants[i])
+            if prefix.beyond(i):
+                grants[i].close()  # past a block that failed: not read
+                return
+            headers[i] = bytearray(blockfile.HEADER_SIZE)
+            outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix, headers[i],
+                                            grants[i])
 
         futures = [self._remote_pool.submit(fetch, i) for i in far]
         near = [i for i in range(n) if i not in grants]
@@ -345,15 +346,14 @@ class Loading(Layouts):
         return end
 
     def _read_remote(self, i: int, h: bytes, views: list[memoryview], prefix: _Prefix,
-                     header: bytearray, grant: control.Granted) -> _Outcome:
-        """:meth:`_read_host` for a granted block: one GET, verified the same way, within
-        :data:`FETCH_FLOOR_S` plus the transfer at :data:`FETCH_RATE` (a socket timeout:
-        a store that stops answering costs a miss, not a hang)."""
+                     header: bytearray, answered: remote.Answered) -> _Outcome:
+        """:meth:`_read_host` for a granted block: its GET's body, verified the same way,
+        each socket read within the daemon's deadline for the block (a store that stops
+        sending costs a miss, not a hang)."""
         probe = memoryview(bytearray(self._pad + 1))
         try:
-            total, csum = remote.get_into(grant.url, memoryview(header), views, probe,
-                                          self._checksummed(h),
-                                          FETCH_FLOOR_S + grant.size / FETCH_RATE)
+            total, csum = remote.get_into(answered, memoryview(header), views, probe,
+                                          self._checksummed(h))
         except FileNotFoundError:
             prefix.fail(i)
             return _Outcome()

@@ -1,15 +1,19 @@
 """Blocks read from a shared tier by the client itself, once, into their destination.
 
 A lookup whose blocks the hot tier lacks asks the daemon for a *grant* (control.GRANT, one
-setxattr and one getxattr per :data:`kvfs.control.MAX_GRANT` blocks): for the longest prefix
-that some tier holds, each block is hot (perhaps promoted just now from a directory tier) or
-has a presigned GET of its one object, valid for seconds. The grants are kept in this
-process (:data:`_TABLE`, so a vLLM scheduler's lookup serves its worker's load in the same
-process) until a load uses them or they go stale (:data:`USE_WITHIN`). The load GETs each
-granted block straight into its destination (:func:`get_into`: the header into a buffer, the
-payload into the caller's memory, hashed piece by piece as it lands), verifies it as a read
-of the hot file is verified, and queues the hot copy behind it, written from that memory
-(:meth:`kvfs.client.save.Saving.write_behind`).
+setxattr and one getxattr per :data:`kvfs.control.MAX_GRANT` blocks): each block is hot
+(perhaps promoted just now from a directory tier) or gets a presigned GET of its one object
+in the shared tier, valid for seconds. The lookup sends those GETs at once and waits for
+their answers' headers only (one round trip: a 200 says the block is there, a 404 ends the
+prefix); the bodies wait in the sockets. The answered GETs are kept in this process
+(:data:`_TABLE`, so a vLLM scheduler's lookup serves its worker's load in the same process)
+until a load reads them or they go stale (:data:`USE_WITHIN`). The load reads each body
+straight into its destination (:func:`get_into`: the header into a buffer, the payload into
+the caller's memory, hashed piece by piece as it lands), verifies it as a read of the hot
+file is verified, and queues the hot copy behind it, written from that memory
+(:meth:`kvfs.client.save.Saving.write_behind`). A GET that fails (not a 404) is left to the
+daemon: the blocks are sent as a ``prefetch``, so its deadlines and circuit breaker see the
+store's state, and its next grants say so.
 
 The HTTP client is the standard library's (``http.client``, one keep-alive connection per
 thread and host, ``readinto`` into the destination): on the same objects it matched or beat
@@ -25,6 +29,9 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Executor
+from concurrent.futures import wait as wait_all
+from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import xxhash
@@ -34,13 +41,36 @@ from ..transport import HASH_PIECE
 
 #: Seconds after its lookup within which a load uses a grant (its URL is valid longer).
 USE_WITHIN = 10.0
-#: Grants kept at most in one process.
-MAX_KEPT = 65536
+#: Answered GETs kept at most in one process (each holds a connection).
+MAX_KEPT = 4096
+#: Idle kept-alive connections per store.
+MAX_IDLE = 64
+#: A granted GET's deadline where the daemon gave none.
+FETCH_FLOOR_S = 1.0
 
 _lock = threading.Lock()
-#: (namespace directory, block hash) -> (monotonic time granted, what was granted)
-_TABLE: dict[tuple[str, bytes], tuple[float, control.Granted]] = {}
-_tls = threading.local()
+
+
+@dataclass
+class Answered:
+    """A granted block's GET whose answer (200, with its length) has come; its body waits
+    in the connection's socket for the load."""
+
+    url: str
+    size: int
+    timeout: float
+    conn: http.client.HTTPConnection | None
+    resp: http.client.HTTPResponse | None
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+        self.conn = self.resp = None
+
+
+#: (namespace directory, block hash) -> (monotonic time answered, its GET)
+_TABLE: dict[tuple[str, bytes], tuple[float, Answered]] = {}
+_idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
@@ -58,43 +88,139 @@ def _getxattr(path: str, name: bytes) -> bytes:
     return buf.raw[:n]
 
 
-def ask(channel, ns_dir: str, hashes: Sequence[bytes], budget: float | None
-        ) -> list[control.Granted]:
-    """The granted prefix of ``hashes`` (see the module's docstring), kept for the load.
-    Raises OSError where the daemon does not take grants (an older kvfs)."""
-    out: list[control.Granted] = []
+def ask(channel, ns_dir: str, hashes: Sequence[bytes], budget: float | None,
+        pool: Executor) -> int:
+    """The length of the prefix of ``hashes`` that can be loaded: hot, or answered by its
+    GET (see the module's docstring); the answered GETs are kept for the load. Raises
+    OSError where the daemon does not take grants (an older kvfs)."""
     end = None if budget is None else time.monotonic() + budget
+    n = 0
     for i in range(0, len(hashes), control.MAX_GRANT):
         chunk = list(hashes[i:i + control.MAX_GRANT])
         left = None if end is None else max(0.001, end - time.monotonic())
         nonce = os.urandom(16)
         channel.command(control.GRANT, control.pack_grant(nonce, chunk, left))
         got = control.unpack_grant_reply(_getxattr(ns_dir, control.GRANT_REPLY
-                                                   + nonce.hex().encode()))
-        out += got[:len(chunk)]
-        if len(got) < len(chunk):
+                                                   + nonce.hex().encode()))[:len(chunk)]
+        k = _answer(channel, ns_dir, chunk, got, end, pool)
+        n += k
+        if k < len(chunk):
             break
+    return n
+
+
+def _answer(channel, ns_dir: str, chunk: list[bytes], got: list[control.Granted],
+            end: float | None, pool: Executor) -> int:
+    """Send the GETs of the URL grants in ``got`` and wait for their answers (within the
+    daemon's deadline for each, and the lookup's budget): the length of the loadable
+    prefix. Answers past it are closed."""
+    urls = [i for i, g in enumerate(got) if g.kind == control.GRANT_URL]
+    answers: dict[int, Answered | None | BaseException] = {}
+    if urls:
+        futures = {i: pool.submit(_send, got[i]) for i in urls}
+        left = None if end is None else max(0.0, end - time.monotonic())
+        wait_all(futures.values(), timeout=left)
+        for i, f in futures.items():
+            if f.done():
+                answers[i] = f.exception() or f.result()
+            else:  # past the budget: closed when it comes
+                f.add_done_callback(lambda f: f.exception() or (f.result() and
+                                                                  f.result().close()))
+    n = next((i for i, g in enumerate(got) if g.kind == control.GRANT_URL
+              and not isinstance(answers.get(i), Answered)), len(got))
     now = time.monotonic()
+    kept, failed = [], []
+    for i in urls:
+        a = answers.get(i)
+        if isinstance(a, Answered):
+            if i < n:
+                kept.append((chunk[i], a))
+            else:
+                a.close()
+        elif a is None and i in answers:
+            pass  # absent (404): a miss
+        else:
+            failed.append(chunk[i])  # failed or late: the daemon tries, in the background
+    if failed:
+        channel.report(control.PREFETCH, control.pack_hashes(failed))
     with _lock:
         if len(_TABLE) > MAX_KEPT:
             for k in [k for k, (at, _) in _TABLE.items() if now - at > USE_WITHIN]:
-                del _TABLE[k]
-        for h, g in zip(hashes, out, strict=False):
-            if g.kind == control.GRANT_URL:
-                _TABLE[(ns_dir, bytes(h))] = (now, g)
-    return out
+                _TABLE.pop(k)[1].close()
+        for h, a in kept:
+            old = _TABLE.pop((ns_dir, bytes(h)), None)
+            if old is not None:
+                old[1].close()
+            _TABLE[(ns_dir, bytes(h))] = (now, a)
+    return n
 
 
-def granted(ns_dir: str, hashes: Sequence[bytes]) -> dict[int, control.Granted]:
-    """The fresh URL grants of ``hashes`` (by index), taken from the table."""
-    now, out = time.monotonic(), {}
+def _send(g: control.Granted) -> Answered | None:
+    """One granted GET, up to its answer's headers: an Answered for a 200, None for an
+    absent object (403, 404: no longer granted, or not there). Raises OSError otherwise."""
+    u = urlsplit(g.url)
+    timeout = max(0.1, g.deadline_ms / 1000 or FETCH_FLOOR_S)
+    target = f"{u.path}?{u.query}" if u.query else u.path
+    for attempt in (0, 1):
+        conn = _take(u.scheme, u.netloc, timeout)
+        try:
+            conn.request("GET", target)
+            resp = conn.getresponse()
+            break
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            # A kept-alive connection the server closed meanwhile: one new one.
+            if attempt or not isinstance(exc, http.client.RemoteDisconnected | ConnectionError):
+                raise OSError(f"GET {u.path}: {exc}") from exc
+    if resp.status in (403, 404):
+        resp.read()
+        _give(u.scheme, u.netloc, conn)
+        return None
+    if resp.status != 200:
+        conn.close()
+        raise OSError(f"GET {u.path}: HTTP {resp.status} {resp.reason}")
+    return Answered(g.url, resp.length or 0, timeout, conn, resp)
+
+
+def _take(scheme: str, netloc: str, timeout: float) -> http.client.HTTPConnection:
+    with _lock:
+        idle = _idle.get((scheme, netloc))
+        conn = idle.pop() if idle else None
+    if conn is None:
+        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        conn = cls(netloc, timeout=timeout)
+    conn.timeout = timeout
+    if conn.sock is not None:
+        conn.sock.settimeout(timeout)
+    return conn
+
+
+def _give(scheme: str, netloc: str, conn: http.client.HTTPConnection) -> None:
+    with _lock:
+        idle = _idle.setdefault((scheme, netloc), [])
+        if len(idle) < MAX_IDLE:
+            idle.append(conn)
+            return
+    conn.close()
+
+
+def granted(ns_dir: str, hashes: Sequence[bytes]) -> dict[int, Answered]:
+    """The answered GETs of ``hashes`` (by index), now the caller's to read
+    (:func:`get_into`) or close."""
+    now, out, stale = time.monotonic(), {}, []
     with _lock:
         if not _TABLE:
             return out
         for i, h in enumerate(hashes):
             got = _TABLE.pop((ns_dir, bytes(h)), None)
-            if got is not None and now - got[0] <= USE_WITHIN:
+            if got is None:
+                continue
+            if now - got[0] <= USE_WITHIN:
                 out[i] = got[1]
+            else:
+                stale.append(got[1])
+    for a in stale:
+        a.close()
     return out
 
 
@@ -105,30 +231,11 @@ def has_grants(ns_dir: str, hashes: Sequence[bytes]) -> bool:
 
 
 def forget(ns_dir: str) -> None:
-    """Drop this namespace's grants (the cache is closing)."""
+    """Drop this namespace's answered GETs (the cache is closing)."""
     with _lock:
-        for k in [k for k in _TABLE if k[0] == ns_dir]:
-            del _TABLE[k]
-
-
-def _connection(scheme: str, netloc: str, timeout: float) -> http.client.HTTPConnection:
-    conns = getattr(_tls, "conns", None)
-    if conns is None:
-        conns = _tls.conns = {}
-    conn = conns.get((scheme, netloc))
-    if conn is None:
-        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
-        conn = conns[(scheme, netloc)] = cls(netloc, timeout=timeout)
-    conn.timeout = timeout
-    if conn.sock is not None:
-        conn.sock.settimeout(timeout)
-    return conn
-
-
-def _drop(scheme: str, netloc: str) -> None:
-    conn = getattr(_tls, "conns", {}).pop((scheme, netloc), None)
-    if conn is not None:
-        conn.close()
+        gone = [_TABLE.pop(k)[1] for k in [k for k in _TABLE if k[0] == ns_dir]]
+    for a in gone:
+        a.close()
 
 
 def _fill(resp: http.client.HTTPResponse, view: memoryview) -> int:
@@ -141,33 +248,24 @@ def _fill(resp: http.client.HTTPResponse, view: memoryview) -> int:
     return got
 
 
-def get_into(url: str, header: memoryview, views: list[memoryview], probe: memoryview,
-             want_checksum: bool, timeout: float) -> tuple[int, int | None]:
-    """GET ``url`` into ``header``, ``views`` (the payload's destination) and ``probe``
-    (the padding and one byte more, which only an overlong object fills), hashing the
-    payload piece by piece as it lands: (bytes received, payload xxh3 or None). Raises
-    FileNotFoundError for an object that is absent or no longer granted (403, 404), OSError
-    for anything else (timeouts included)."""
-    u = urlsplit(url)
-    target = f"{u.path}?{u.query}" if u.query else u.path
-    for attempt in (0, 1):
-        conn = _connection(u.scheme, u.netloc, timeout)
-        try:
-            conn.request("GET", target)
-            resp = conn.getresponse()
-            break
-        except (OSError, http.client.HTTPException) as exc:
-            _drop(u.scheme, u.netloc)
-            # A kept-alive connection the server closed meanwhile: one new one.
-            if attempt or not isinstance(exc, http.client.RemoteDisconnected | ConnectionError):
-                raise OSError(f"GET {u.path}: {exc}") from exc
+def get_into(a: Answered, header: memoryview, views: list[memoryview], probe: memoryview,
+             want_checksum: bool) -> tuple[int, int | None]:
+    """Read answered GET ``a``'s body into ``header``, ``views`` (the payload's destination)
+    and ``probe`` (the padding and one byte more, which only an overlong object fills),
+    hashing the payload piece by piece as it lands: (bytes received, payload xxh3 or None).
+    An answer that is no longer there (stale, or from another process) is asked again.
+    Raises FileNotFoundError for an object that is absent or no longer granted, OSError for
+    anything else (timeouts included)."""
+    if a.resp is None:
+        again = _send(control.Granted(control.GRANT_URL, url=a.url,
+                                      deadline_ms=round(a.timeout * 1000)))
+        if again is None:
+            raise FileNotFoundError(f"GET {urlsplit(a.url).path}: gone")
+        a = again
+    resp, conn = a.resp, a.conn
+    assert resp is not None and conn is not None
+    u = urlsplit(a.url)
     try:
-        if resp.status in (403, 404):
-            resp.read()
-            raise FileNotFoundError(f"GET {u.path}: HTTP {resp.status}")
-        if resp.status != 200:
-            resp.read()
-            raise OSError(f"GET {u.path}: HTTP {resp.status} {resp.reason}")
         total = _fill(resp, header)
         x = xxhash.xxh3_64() if want_checksum else None
         for v in views:
@@ -180,11 +278,11 @@ def get_into(url: str, header: memoryview, views: list[memoryview], probe: memor
                 if n < len(piece):
                     break
         total += _fill(resp, probe)
-        if not resp.isclosed() and resp.length:  # overlong: the rest is not read
-            _drop(u.scheme, u.netloc)
-        return total, (x.intdigest() if x is not None else None)
     except (http.client.HTTPException, OSError) as exc:
-        _drop(u.scheme, u.netloc)
-        if isinstance(exc, FileNotFoundError):
-            raise
+        a.close()
         raise OSError(f"GET {u.path}: {exc}") from exc
+    if resp.isclosed():
+        _give(u.scheme, u.netloc, conn)  # the whole body read: the connection is reusable
+    else:
+        a.close()  # overlong: the rest is not read
+    return total, (x.intdigest() if x is not None else None)

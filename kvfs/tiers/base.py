@@ -63,6 +63,8 @@ class Tier(ABC):
 
     name: str
     url: str
+    #: Whether `presign_get` gives URLs (a client may read this tier's objects itself).
+    presigns = False
 
     @abstractmethod
     def put(self, key: str, src: str | bytes) -> bool:

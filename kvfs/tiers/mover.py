@@ -63,7 +63,6 @@ class TierCounters:
     uploads_dropped: int = 0
     fetched_bytes: int = 0
     grants: int = 0  # blocks a client was given a URL to read from this tier itself
-    granted_bytes: int = 0
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
 
     def observe(self, seconds: float) -> None:
@@ -306,16 +305,21 @@ class Tiering:
             return got
         return None
 
-    async def locate(self, key: str) -> tuple[int, int] | None:
+    async def locate(self, key: str, *, ask_presigned: bool = True
+                     ) -> tuple[int, int | None] | None:
         """(0-based index, size) of the first lower tier that holds `key`, asked in order
         (an S3 tier: one HEAD) within the deadlines and circuits of a fetch; None if none
-        does. Moves no block."""
+        does. Without `ask_presigned`, a tier whose objects a presigned GET reads is not
+        asked: the first such tier whose circuit is not open is the answer, size None (the
+        client's GET will tell). Moves no block."""
         for i, tier in enumerate(self.tiers):
             c, breaker = self.counters[i], self.breakers[i]
             opens = breaker.opens
             if not breaker.allow():
                 c.skipped += 1
                 continue
+            if not ask_presigned and tier.presigns:
+                return i, None
             try:
                 done, size = await self._call(i, tier.size, key, timeout=self.deadline(0),
                                               opens=opens)

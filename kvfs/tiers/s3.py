@@ -32,6 +32,8 @@ class S3Tier(Tier):
     Constructing the tier makes no request unless `create_bucket` is set.
     """
 
+    presigns = True
+
     def __init__(
         self,
         bucket: str,
