@@ -197,3 +197,31 @@ def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # n
     assert got == 2 and torch.equal(out[:2], kv_in[:2]) and not out[2].any()
     assert stats["corrupt_blocks"] == 1 and stats["remote_blocks"] == 2
     assert not os.path.exists(os.path.join(ns_b, kv.hashing.block_relpath(hashes[2])))
+
+
+def test_a_hung_store_costs_misses_and_hits_return_after_it(mount_factory, s3):  # noqa: F811
+    """The store stops answering (frozen): lookups miss within the deadline, the daemon's
+    circuit opens (its own fetches of what the clients' GETs could not get fail too), and
+    once the store answers again the half-open circuit's probe closes it: full hits return
+    within the cooldown and a deadline."""
+    a, b = mounts(mount_factory, s3)
+    hashes, kv_in = save(a, list(range(5000, 5000 + 16 * 16)))
+    wait_uploaded(s3, hashes)
+    s3.freeze()
+    try:
+        deadline = time.monotonic() + 30
+        while b.stats()["tiers"][0]["circuit"] != "open":
+            got, _, seconds = load(b, hashes, kv_in)
+            assert got == 0 and seconds < 6, (got, seconds)
+            assert time.monotonic() < deadline, b.stats()["tiers"][0]
+        time.sleep(3)  # past every fetch's deadline: none is left to land after the thaw
+    finally:
+        s3.thaw()
+    back = time.monotonic()
+    while True:
+        got, out, _ = load(b, hashes, kv_in)
+        if got == 16:
+            break
+        assert time.monotonic() - back < 8, (got, b.stats()["tiers"][0])
+        time.sleep(0.2)
+    assert torch.equal(out, kv_in)

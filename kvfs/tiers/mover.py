@@ -310,16 +310,16 @@ class Tiering:
         """(0-based index, size) of the first lower tier that holds `key`, asked in order
         (an S3 tier: one HEAD) within the deadlines and circuits of a fetch; None if none
         does. Without `ask_presigned`, a tier whose objects a presigned GET reads is not
-        asked: the first such tier whose circuit is not open is the answer, size None (the
-        client's GET will tell). Moves no block."""
+        asked while its circuit is closed: it is the answer, size None (the client's GET
+        will tell); while the circuit is half-open the HEAD is its probe. Moves no block."""
         for i, tier in enumerate(self.tiers):
             c, breaker = self.counters[i], self.breakers[i]
+            if not ask_presigned and tier.presigns and breaker.state == "closed":
+                return i, None
             opens = breaker.opens
             if not breaker.allow():
                 c.skipped += 1
                 continue
-            if not ask_presigned and tier.presigns:
-                return i, None
             try:
                 done, size = await self._call(i, tier.size, key, timeout=self.deadline(0),
                                               opens=opens)
