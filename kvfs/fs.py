@@ -28,10 +28,10 @@ from . import __version__, hashing, stats_json, virtual
 from .adoption import Adoption
 from .audit import Audit
 from .commands import Commands
+from .door import Door
 from .handlers import REQUESTS, handler
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
-from .passthrough import PASS_HEADROOM
 from .promotion import Promotion
 from .reclaim import Reclaim
 from .settings import DEFAULTS
@@ -79,6 +79,7 @@ class Operations(pyfuse3.Operations):
         self.reclaim = Reclaim(tree, self.adoption)
         self.adoption.after_growth = self.reclaim.wake_if_over
         self.promotion = Promotion(tree, self.adoption, self.reclaim)
+        self.door = Door(tree, self.files, self.reclaim)
         self.xattrs = Xattrs(tree, self.reclaim,
                              Commands(tree, self.adoption, self.reclaim, self.promotion))
         # The same objects, by the names the handlers use.
@@ -353,7 +354,7 @@ class Operations(pyfuse3.Operations):
         self.residency.add_file(node)  # no block yet
         fh = self.files.register(node, fd, writable, ctx, created=True)
         self.tree.ref(node.inode)
-        fi, backing_id = self._door(node, fh, flags, busy=True)
+        fi, backing_id = self.door.reply(node, fh, flags, busy=True)
         return fi, self.tree.attrs(node), backing_id
 
     @handler
@@ -391,7 +392,7 @@ class Operations(pyfuse3.Operations):
         fd, ahead = (None if writable else self.store.open_cached(rel, bflags)), 0
         if fd is None:  # in a thread; a cold read asks for its data too (openfiles.open_ahead),
             # unless the kernel will read it (passthrough: its own read-ahead, or O_DIRECT)
-            daemon_reads = not self._may_pass(inode)
+            daemon_reads = not self.door.may_pass(inode)
             fd, ahead = await self.tree.io(open_ahead, functools.partial(
                 self.store.open, rel, bflags), node.size if daemon_reads and not writable
                 else 0, tenant=node.tenant)
@@ -412,98 +413,11 @@ class Operations(pyfuse3.Operations):
         self.residency.record_use(node, now / 1e9)
         if not writable and node.ns:
             self.stats.by_ns[self.tree.key(node)].mount_hits += 1
-        fi, backing_id = self._door(node, fh, flags,
+        fi, backing_id = self.door.reply(node, fh, flags,
                                     busy=writable or self.open_files[inode].writers > 0)
         if backing_id:
             self.tree.passthrough.arm(fh, backing_id)  # last: the reply goes out next
         return fi
-
-    # -- passthrough (kvfs.passthrough) ---------------------------------------------------
-
-    def _may_pass(self, inode: int) -> bool:
-        """Whether an open of `inode` may be a passthrough open: the mount has it, and no
-        handle of the inode reads through the page cache the daemon fills (the kernel
-        allows one or the other on an inode)."""
-        of = self.open_files.get(inode)
-        return self.tree.passthrough.on and (of is None or not of.cached)
-
-    def _room_to_pass(self, tenant: int) -> bool:
-        """Whether a writer of `tenant` may write through passthrough, where the daemon sees
-        none of its writes and settles its growth only at flush: only while the tenant's
-        quota and the mount's capacity have PASS_HEADROOM free for it and for every other
-        passthrough writer. Nearer a limit writers take the daemon's path, which refuses
-        the write that would cross it."""
-        pt = self.tree.passthrough
-        limits = self.residency.limits.get(tenant)
-        if limits is not None and limits.quota is not None and (
-                limits.quota - self.stats.tenant_bytes(tenant)
-                < PASS_HEADROOM * (pt.writers[tenant] + 1)):
-            return False
-        cap = self.tree.info.capacity
-        return cap is None or (cap - self.stats.used_bytes
-                               >= PASS_HEADROOM * (pt.writers.total() + 1))
-
-    def _door(self, node: Node, fh: int, flags: int, *, busy: bool
-              ) -> tuple[pyfuse3.FileInfo, int]:
-        """The reply to an open or create of a hot file registered as handle `fh`, and the
-        backing id it names (0: served by the daemon). Bytes a passthrough reader reads are
-        counted at its open (the file's size); what a passthrough writer adds, at its
-        flushes (`_settle`)."""
-        h = self.handles[fh]
-        of = self.open_files[node.inode]
-        pt = self.tree.passthrough
-        backing_id = 0
-        if self._may_pass(node.inode) and (not h.writable or self._room_to_pass(node.tenant)):
-            backing_id = pt.register(node.inode, h.fd) or 0
-        if backing_id:
-            h.passthrough = True
-            of.passthrough += 1
-            if h.writable:
-                of.pt_fds.append(h.fd)
-                pt.writers[node.tenant] += 1
-                self.files.watch(of, node.inode, h)  # the daemon will not see its writes
-            else:
-                h.nread = node.size
-                self.stats.read(h.key, node.size)
-                pt.read_bytes += node.size
-            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
-        direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
-        if of.passthrough:  # beside passthrough opens the kernel allows only uncached ones
-            direct, keep = True, False
-        if not direct:
-            h.cached = True
-            of.cached += 1
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep), 0
-
-    async def _settle(self, h: Handle) -> None:
-        """A passthrough writer's change in size since it was last settled: room made for
-        its growth (evicting as a write would), accounted, and counted as written; or, where
-        the tenant's quota or the capacity refuse it, the file cut back to what was
-        accounted, and EDQUOT/ENOSPC/EFBIG raised, as NFS reports at close."""
-        of = self.open_files[h.inode]
-        st = os.fstat(h.fd)
-        size = st.st_size
-        growth = size - of.size
-        if growth > 0:
-            try:
-                await self.reclaim.make_room_for(h.key[0], growth, size, exclude=h.inode)
-            except FUSEError as exc:
-                keep = self.open_files[h.inode].size
-                await self.tree.io(os.ftruncate, h.fd, keep)
-                self.tree.passthrough.cut += 1
-                log.warning("inode %d: %d bytes written through passthrough refused at close "
-                            "(%s): cut back to %d", h.inode, growth,
-                            errno.errorcode.get(exc.errno, exc.errno), keep)
-                raise
-            growth = size - of.size  # another flush of it may have counted some meanwhile
-        if growth:
-            self.stats.account(h.key, 0, growth)
-            of.size = size
-            if growth > 0:
-                self.stats.write(h.key, growth)
-                self.tree.passthrough.write_bytes += growth
-                h.nwritten += growth
-        of.mtime_ns = st.st_mtime_ns
 
     @handler
     async def read(self, fh: int, off: int, size: int) -> bytes:
@@ -564,7 +478,7 @@ class Operations(pyfuse3.Operations):
         if h.writable:
             if h.passthrough:
                 self.files.observe(h.inode, h)
-                await self._settle(h)
+                await self.door.settle(h)
             self.files.flushed(h)
 
     @handler
@@ -572,7 +486,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles[fh]
         if h.passthrough and h.writable:
             self.files.observe(h.inode, h)
-            await self._settle(h)
+            await self.door.settle(h)
         if h.fd >= 0:
             await self.tree.io(os.fdatasync if datasync else os.fsync, h.fd)
         if h.writable:
@@ -584,7 +498,7 @@ class Operations(pyfuse3.Operations):
         if h.content is not None:
             return
         if h.passthrough:
-            await self._release_passthrough(h)
+            await self.door.release(h)
         if self.tree.audit is not None:
             node = self.index.find(h.inode)
             if node is not None and (h.nread or h.nwritten or h.writable):
@@ -597,22 +511,6 @@ class Operations(pyfuse3.Operations):
         if h.writable and of.writers == 0 and changed:
             await self.adoption.complete(h.inode)
         self.tree.purge_orphan(h.inode)
-
-    async def _release_passthrough(self, h: Handle) -> None:
-        """The last of a passthrough handle: what it wrote after its last flush (a dup'd
-        descriptor, a shared mapping) settled, its backing id released with the inode's
-        last passthrough handle."""
-        pt = self.tree.passthrough
-        if h.writable:
-            pt.writers[h.key[0]] -= 1
-            try:
-                self.files.observe(h.inode, h)
-                await self._settle(h)
-            except FUSEError:
-                pass  # cut back and logged; nobody is left to tell
-            except OSError as exc:
-                log.warning("inode %d: settling a passthrough writer failed: %s", h.inode, exc)
-        pt.release(h.inode)
 
     # -- names ----------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ BACKING_CLOSE = 0x4004E502
 #: the kernel then needs a max_stack_depth of 2 to stack the mount on them.
 STACKED = {0x794C7630, 0x65735546, 0xF15F}
 #: Free bytes a passthrough writer needs in its tenant's quota and in the capacity, beside
-#: those of the other passthrough writers (kvfs.fs `_room_to_pass`): what it may write
+#: those of the other passthrough writers (kvfs.door `Door.room_to_pass`): what it may write
 #: before its close settles it. Nearer a limit, writers take the daemon's path.
 PASS_HEADROOM = 64 << 20
 #: How long after the mount the INIT reply may take before passthrough is given up.
