@@ -41,8 +41,9 @@ from ..transport import HASH_PIECE
 
 #: Seconds after its lookup within which a load uses a grant (its URL is valid longer).
 USE_WITHIN = 10.0
-#: Answered GETs kept at most in one process (each holds a connection).
-MAX_KEPT = 4096
+#: Answered GETs kept at most in one process (each holds a connection, and the kernel its
+#: socket's buffered body): past it the oldest are closed.
+MAX_KEPT = 1024
 #: Idle kept-alive connections per store.
 MAX_IDLE = 64
 #: A granted GET's deadline where the daemon gave none.
@@ -71,6 +72,13 @@ class Answered:
 #: (namespace directory, block hash) -> (monotonic time answered, its GET)
 _TABLE: dict[tuple[str, bytes], tuple[float, Answered]] = {}
 _idle: dict[tuple[str, str], list[http.client.HTTPConnection]] = {}
+#: (scheme, host) of a store whose GET failed -> monotonic time until which it is skipped.
+_failing: dict[tuple[str, str], float] = {}
+
+
+def _store(url: str) -> tuple[str, str]:
+    u = urlsplit(url)
+    return u.scheme, u.netloc
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.getxattr.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t]
@@ -116,14 +124,22 @@ def _answer(channel, ns_dir: str, chunk: list[bytes], got: list[control.Granted]
     prefix. Answers past it are closed."""
     urls = [i for i, g in enumerate(got) if g.kind == control.GRANT_URL]
     answers: dict[int, Answered | None | BaseException] = {}
+    store = _store(got[urls[0]].url) if urls else None
+    if urls and time.monotonic() < _failing.get(store, 0.0):
+        # This store failed a GET within its deadline: its blocks are misses at once (the
+        # daemon, told by a prefetch, decides by then whether to open its circuit).
+        return urls[0]
     if urls:
         futures = {i: pool.submit(_send, got[i]) for i in urls}
-        left = None if end is None else max(0.0, end - time.monotonic())
+        # One deadline for all the answers (the daemon's for one block), however many wait
+        # for a thread, and never past the lookup's budget.
+        limit = max(got[i].deadline_ms for i in urls) / 1000 or FETCH_FLOOR_S
+        left = limit if end is None else max(0.0, min(limit, end - time.monotonic()))
         wait_all(futures.values(), timeout=left)
         for i, f in futures.items():
             if f.done():
                 answers[i] = f.exception() or f.result()
-            else:  # past the budget: closed when it comes
+            else:  # past the deadline or the budget: closed when it comes
                 f.add_done_callback(lambda f: f.exception() or (f.result() and
                                                                   f.result().close()))
     n = next((i for i, g in enumerate(got) if g.kind == control.GRANT_URL
@@ -142,16 +158,28 @@ def _answer(channel, ns_dir: str, chunk: list[bytes], got: list[control.Granted]
         else:
             failed.append(chunk[i])  # failed or late: the daemon tries, in the background
     if failed:
+        if store is not None and (end is None or time.monotonic() < end):
+            # The store failed (not merely the lookup's budget spent): skipped for two
+            # deadlines, by when the daemon's own fetches of these blocks have failed too and
+            # its circuit says so.
+            _failing[store] = (time.monotonic()
+                               + 2 * max(got[i].deadline_ms for i in urls) / 1000)
         channel.report(control.PREFETCH, control.pack_hashes(failed))
+    gone = []
     with _lock:
-        if len(_TABLE) > MAX_KEPT:
-            for k in [k for k, (at, _) in _TABLE.items() if now - at > USE_WITHIN]:
-                _TABLE.pop(k)[1].close()
+        # Answers no load came for: stale ones, then the oldest past MAX_KEPT (the table is
+        # in insertion order).
+        gone += [_TABLE.pop(k)[1] for k in [k for k, (at, _) in _TABLE.items()
+                                             if now - at > USE_WITHIN]]
         for h, a in kept:
             old = _TABLE.pop((ns_dir, bytes(h)), None)
             if old is not None:
-                old[1].close()
+                gone.append(old[1])
             _TABLE[(ns_dir, bytes(h))] = (now, a)
+        while len(_TABLE) > MAX_KEPT:
+            gone.append(_TABLE.pop(next(iter(_TABLE)))[1])
+    for a in gone:
+        a.close()
     return n
 
 
