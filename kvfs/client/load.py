@@ -195,7 +195,10 @@ class Loading(Layouts):
         if all(t.device.type == "cpu" for d in dests for t in d):
             views = [[host_view(t) for t in d] for d in dests]
             views_of = views.__getitem__
-        return self._load(list(hashes), dests.__getitem__, views_of)
+        # The engine's memory may be freed or reused by it once the load returns (an LMCache
+        # allocator closed before its backends): blocks fetched from a shared tier are
+        # copied for their hot copy, not written from there.
+        return self._load(list(hashes), dests.__getitem__, views_of, own=False)
 
     def load_async(self, hashes: Sequence[bytes], out: torch.Tensor) -> LoadHandle:
         """Start a layer-wise load into ``out`` and return at once (see :class:`LoadHandle`).
@@ -230,28 +233,31 @@ class Loading(Layouts):
 
     def _load(self, hashes: list[bytes], tensors_of: Callable[[int], list[torch.Tensor]],
               views_of: Callable[[int], list[memoryview]] | None = None,
-              batch: torch.Tensor | None = None) -> int:
+              batch: torch.Tensor | None = None, *, own: bool = True) -> int:
         """Read block i into ``tensors_of(i)`` (host memory: into ``views_of(i)``, byte views
         of the same memory). The calling thread reads too, beside as many pool threads as
         the bytes justify (:data:`THREAD_BYTES`), each taking the next block not yet taken;
         none reads past a block that failed. Blocks whose bytes landed where the host does
         not read them are then verified there (:meth:`_verify_on_device`; ``batch``: the
         contiguous layout's blocks, ``[N, ...]`` bytes). Blocks a lookup was granted a URL
-        for are fetched from their tier into the same memory (:meth:`_load_granted`)."""
+        for are fetched from their tier into the same memory (:meth:`_load_granted`);
+        their hot copies are written from it (``own``: torch tensors, which the writer
+        holds alive) or from copies (memory the caller's engine manages)."""
         leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes).items()}
         try:
-            return self._load_leased(hashes, tensors_of, views_of, batch, leased)
+            return self._load_leased(hashes, tensors_of, views_of, batch, leased, own)
         finally:
             leases.release(leased)
 
     def _load_leased(self, hashes: list[bytes],
                      tensors_of: Callable[[int], list[torch.Tensor]],
                      views_of: Callable[[int], list[memoryview]] | None,
-                     batch: torch.Tensor | None, leased: dict[bytes, int]) -> int:
+                     batch: torch.Tensor | None, leased: dict[bytes, int], own: bool
+                     ) -> int:
         grants = remote.granted(self.ns_dir, hashes)
         if grants:
             if views_of is not None:
-                return self._load_granted(hashes, tensors_of, views_of, grants, leased)
+                return self._load_granted(hashes, tensors_of, views_of, grants, leased, own)
             # Device memory: the daemon places them hot first (two passes, as before).
             for a in grants.values():
                 a.close()
@@ -296,7 +302,8 @@ class Loading(Layouts):
     def _load_granted(self, hashes: list[bytes],
                       tensors_of: Callable[[int], list[torch.Tensor]],
                       views_of: Callable[[int], list[memoryview]],
-                      grants: dict[int, remote.Answered], leased: dict[bytes, int]) -> int:
+                      grants: dict[int, remote.Answered], leased: dict[bytes, int],
+                      own: bool = True) -> int:
         """A load into host memory of which some blocks come from a shared tier: those are
         fetched with their granted URLs on the remote threads (one GET each, into
         ``views_of(i)``, verified as they land) while the others are read from the hot
@@ -306,6 +313,7 @@ class Loading(Layouts):
         prefix = _Prefix(n, leased)
         outcomes: list[_Outcome | None] = [None] * n
         headers: dict[int, bytearray] = {}
+        copies: dict[int, list[torch.Tensor]] = {}
         far = sorted(grants)
 
         def fetch(i: int) -> None:
@@ -313,8 +321,11 @@ class Loading(Layouts):
                 grants[i].close()  # past a block that failed: not read
                 return
             headers[i] = bytearray(blockfile.HEADER_SIZE)
-            outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix, headers[i],
-                                            grants[i])
+            o = outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix,
+                                                headers[i], grants[i])
+            if o.ok and not own:  # copied while the bytes are in this core's cache
+                copies[i] = [torch.cat([t.reshape(-1).view(torch.uint8)
+                                        for t in tensors_of(i)])]
 
         futures = [self._remote_pool.submit(fetch, i) for i in far]
         near = [i for i in range(n) if i not in grants]
@@ -340,7 +351,7 @@ class Loading(Layouts):
             check = self._header_check
             self.write_behind([hashes[i] for i in fetched],
                               [bytes(headers[i][32:48]) for i in fetched],
-                              [tensors_of(i) for i in fetched],
+                              [copies[i] if i in copies else tensors_of(i) for i in fetched],
                               [check.payload_checksum(headers[i], hashes[i]) or
                                blockfile.decode_header(headers[i]).checksum for i in fetched])
         return end
