@@ -4,9 +4,10 @@ A restore from the shared S3 tier moves each block's bytes once: the client GETs
 straight into its destination and verifies it as it lands, and writes the hot copy behind
 (kvfs.client.remote). The daemon stays the authority: it answers only for the namespace
 directory the command was sent to (the kernel checked the caller's write permission on it),
-finds each block in the tiers (one HEAD per block, within the fetch deadlines and circuits)
-and signs, with its own credentials, a GET of that one object valid for
-:data:`GRANT_SECONDS`. The client never holds a credential, nor a URL that reaches another
+looks for each block in the tiers in order (a directory tier: a stat; the S3 tier is not
+asked while its circuit is closed, the client's GET tells, and while half-open a HEAD is the
+probe) and signs, with its own credentials, a GET of that one object valid for
+:data:`GRANT_SECONDS`, with the deadline its own fetch would have. The client never holds a credential, nor a URL that reaches another
 object or outlives its request by more than seconds. A block in a lower tier the client
 cannot read (a directory) is promoted as by ``fetch``, and the answer says it is hot.
 
