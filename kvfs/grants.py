@@ -7,9 +7,10 @@ directory the command was sent to (the kernel checked the caller's write permiss
 looks for each block in the tiers in order (a directory tier: a stat; the S3 tier is not
 asked while its circuit is closed, the client's GET tells, and while half-open a HEAD is the
 probe) and signs, with its own credentials, a GET of that one object valid for
-:data:`GRANT_SECONDS`, with the deadline its own fetch would have. The client never holds a credential, nor a URL that reaches another
-object or outlives its request by more than seconds. A block in a lower tier the client
-cannot read (a directory) is promoted as by ``fetch``, and the answer says it is hot.
+:data:`GRANT_SECONDS`, with the deadline its own fetch would have. The client never holds
+a credential, nor a URL that reaches another object or outlives its request by more than
+seconds. A block in a lower tier the client cannot read (a directory) is promoted as by
+``fetch``, and the answer says it is hot.
 
 State (event loop only): the answers not yet read (`_replies`), each for one uid and one
 directory, kept :data:`kvfs.control.GRANT_REPLY_TTL` seconds (getxattr may ask twice: once
