@@ -525,13 +525,7 @@ def test_an_eviction_between_lookup_and_load_fails_no_request(work):
                 c.save(hashes, torch.randn(13, *other.block_shape).to(torch.bfloat16))
             evicted.append(sum(not f.exists() for f in files))
 
-        deadline = time.monotonic() + 900
-        while not (gate / "looked-up-1").exists():
-            assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
-            assert time.monotonic() < deadline, "the engine never looked A's prompt up"
-            time.sleep(0.2)
-        evict()
-        (gate / "go-lookup-1").touch()
+        _pass_gate(proc, gate, 1, evict, ready="looked-up", go="go-lookup")
         out, err = proc.communicate(timeout=900)
     finally:
         if proc is not None and proc.poll() is None:
@@ -552,15 +546,17 @@ def test_an_eviction_between_lookup_and_load_fails_no_request(work):
     assert again["cached_tokens"] == HIT_BLOCKS * BLOCK and again["text"]
 
 
-def _pass_gate(proc: subprocess.Popen, gate: Path, i: int, then) -> None:
-    """Wait for the engine to reach gate ``i``, run ``then``, let it go on."""
+def _pass_gate(proc: subprocess.Popen, gate: Path, i: int, then, *, ready: str = "ready",
+               go: str = "go") -> None:
+    """Wait for the engine to reach gate ``i`` (the driver's ``--gate``, or with ``ready`` and
+    ``go`` its ``--lookup-gate``), run ``then``, let it go on."""
     deadline = time.monotonic() + 900
-    while not (gate / f"ready-{i}").exists():
+    while not (gate / f"{ready}-{i}").exists():
         assert proc.poll() is None, f"engine ended early:\n{proc.communicate()[1][-6000:]}"
         assert time.monotonic() < deadline, f"the engine never reached gate {i}"
         time.sleep(0.2)
     then()
-    (gate / f"go-{i}").touch()
+    (gate / f"{go}-{i}").touch()
 
 
 def _wait_evicted(m: Mount) -> None:
