@@ -98,8 +98,9 @@ class Commands:
                     dropped.append(rel)
                 refused.add(h)
                 continue
-            if self.index.lookup_in(dnode.inode, h[:1].hex().encode(),
-                                    hashing.block_filename(h).encode()) is not None:
+            known = self.index.lookup_in(dnode.inode, h[:1].hex().encode(),
+                                         hashing.block_filename(h).encode())
+            if known is not None and not known.tier:
                 placed.add(h)
                 continue  # content-addressed: publishing twice changes nothing
             p = hdr.parent_hash
@@ -141,17 +142,26 @@ class Commands:
                                               uid=fst.st_uid, gid=fst.st_gid,
                                               tenant=dnode.tenant, ns=dnode.ns)
                 fname = hashing.block_filename(h).encode()
-                if self.index.lookup(fnode.inode, fname) is not None:
+                node = self.index.lookup(fnode.inode, fname)
+                if node is not None and not node.tier:
                     continue  # content-addressed: publishing twice changes nothing
-                node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
-                                         uid=st.st_uid, gid=st.st_gid, size=st.st_size,
-                                         tenant=dnode.tenant, ns=dnode.ns,
-                                         block_hash=hdr.block_hash,
-                                         parent_hash=hdr.parent_hash)
-                changed.add(fnode.inode)
+                promoted = fetched or node is not None
+                if node is not None:
+                    # Known in a lower tier only: its hot copy is here again (a promotion,
+                    # written by the client that read it from below).
+                    self.index.update(node.inode, tier=0, size=st.st_size,
+                                      block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
+                    node = self.index.get(node.inode)
+                else:
+                    node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
+                                             uid=st.st_uid, gid=st.st_gid, size=st.st_size,
+                                             tenant=dnode.tenant, ns=dnode.ns,
+                                             block_hash=hdr.block_hash,
+                                             parent_hash=hdr.parent_hash)
+                    changed.add(fnode.inode)
                 self.residency.enter_block(node, current=True)
                 tree.stats.account(key, 1, st.st_size)
-                if fetched:
+                if promoted:
                     c.promotions += 1
                     continue
                 tree.publish_shared(node)

@@ -26,9 +26,11 @@ clients split larger batches.
   may hold, say where each can be read. A block not in a directory tier gets a presigned GET
   of its one object in the shared S3 tier, valid for seconds (the client's GET, sent at its
   lookup, says whether it is there; its body is read into the destination by the load);
-  a block in a tier the client cannot read itself (a directory) is promoted, as by
-  ``fetch``, and is then hot. The answer is read with getxattr ``user.kvfs.grant.<nonce
-  hex>`` on the same directory, by the same uid, within :data:`GRANT_REPLY_TTL` seconds.
+  a block in a directory tier is promoted, as by ``fetch``, and is then hot, unless the
+  command is ``KVG2`` (the same, then a u32 of flags) with ``GRANT_TAKES_FDS``: then its
+  file is handed to the client as an open descriptor (``kvfs.handout``). The answer is read
+  with getxattr ``user.kvfs.grant.<nonce hex>`` on the same directory, by the same uid,
+  within :data:`GRANT_REPLY_TTL` seconds.
 
 Queries are plain getxattr: ``user.kvfs.backing`` on any node gives its backing path.
 """
@@ -179,8 +181,12 @@ class Access:
 # -- grants: where the blocks the hot tier lacks can be read ----------------------------------
 
 GRANT_MAGIC = b"KVG1"
+GRANT_FLAGS_MAGIC = b"KVG2"
 GRANT_REPLY_MAGIC = b"KVR1"
 _GRANT = struct.Struct("<4s16sI")
+_GRANT_FLAGS = struct.Struct("<I")
+#: The client takes a directory tier's blocks as descriptors from the handout socket.
+GRANT_TAKES_FDS = 1
 _REPLY = struct.Struct("<4sI")
 _ENTRY = struct.Struct("<BBQIH")
 #: Seconds an answer waits to be read (getxattr may be asked twice: for its size, then it).
@@ -190,14 +196,15 @@ MAX_GRANT = 64
 #: Where a granted block is read.
 GRANT_HOT = 0  #: in the hot tier now: read its backing file
 GRANT_URL = 1  #: one presigned GET of its object in a shared tier
+GRANT_FD = 2  #: its file in a directory tier, handed over the handout socket (kvfs.handout)
 
 
 @dataclass(frozen=True)
 class Granted:
-    """Where one block can be read: `kind` (GRANT_HOT or GRANT_URL), the 1-based lower tier
-    it is in (0: hot), its object's size in bytes (0: not asked: the GET says whether it is
-    there), the URL (GRANT_URL) and the milliseconds the daemon's own fetch of it would be
-    given (the GET's deadline)."""
+    """Where one block can be read: `kind` (GRANT_HOT, GRANT_URL or GRANT_FD), the 1-based
+    lower tier it is in (0: hot), its object's size in bytes (0: not asked: the GET says
+    whether it is there), the URL (GRANT_URL) and the milliseconds the daemon's own fetch
+    of it would be given (the GET's deadline)."""
 
     kind: int
     tier: int = 0
@@ -206,7 +213,8 @@ class Granted:
     deadline_ms: int = 0
 
 
-def pack_grant(nonce: bytes, hashes: list[bytes], budget: float | None = None) -> bytes:
+def pack_grant(nonce: bytes, hashes: list[bytes], budget: float | None = None,
+               flags: int = 0) -> bytes:
     if len(nonce) != 16:
         raise ControlError("a grant nonce is 16 bytes")
     if not hashes or len(hashes) > MAX_GRANT:
@@ -214,18 +222,26 @@ def pack_grant(nonce: bytes, hashes: list[bytes], budget: float | None = None) -
     ms = 0 if budget is None else max(1, round(budget * 1000))
     if not 0 <= ms < 1 << 32:
         raise ControlError(f"a grant budget of {budget} s is out of range")
-    return _GRANT.pack(GRANT_MAGIC, nonce, ms) + pack_hashes(hashes)
+    if not flags:
+        return _GRANT.pack(GRANT_MAGIC, nonce, ms) + pack_hashes(hashes)
+    return (_GRANT.pack(GRANT_FLAGS_MAGIC, nonce, ms) + _GRANT_FLAGS.pack(flags)
+            + pack_hashes(hashes))
 
 
-def unpack_grant(value: bytes) -> tuple[bytes, list[bytes], float | None]:
-    """(nonce, hashes, budget in seconds or None) of a grant command."""
-    if len(value) < _GRANT.size or value[:4] != GRANT_MAGIC:
+def unpack_grant(value: bytes) -> tuple[bytes, list[bytes], float | None, int]:
+    """(nonce, hashes, budget in seconds or None, flags) of a grant command."""
+    if len(value) < _GRANT.size or value[:4] not in (GRANT_MAGIC, GRANT_FLAGS_MAGIC):
         raise ControlError("a grant starts with KVG1, a nonce and a budget")
-    _, nonce, ms = _GRANT.unpack_from(value)
-    hashes = unpack_hashes(value[_GRANT.size:])
+    magic, nonce, ms = _GRANT.unpack_from(value)
+    pos, flags = _GRANT.size, 0
+    if magic == GRANT_FLAGS_MAGIC:
+        if len(value) < pos + _GRANT_FLAGS.size:
+            raise ControlError("a KVG2 grant carries its flags")
+        (flags,), pos = _GRANT_FLAGS.unpack_from(value, pos), pos + _GRANT_FLAGS.size
+    hashes = unpack_hashes(value[pos:])
     if not hashes or len(hashes) > MAX_GRANT:
         raise ControlError(f"a grant asks for 1 to {MAX_GRANT} blocks")
-    return nonce, hashes, (ms / 1000 if ms else None)
+    return nonce, hashes, (ms / 1000 if ms else None), flags
 
 
 def pack_grant_reply(entries: list[Granted]) -> bytes:
@@ -252,7 +268,7 @@ def unpack_grant_reply(value: bytes) -> list[Granted]:
         pos += _ENTRY.size
         url = value[pos:pos + ulen].decode()
         pos += ulen
-        if kind not in (GRANT_HOT, GRANT_URL) or len(url) != ulen:
+        if kind not in (GRANT_HOT, GRANT_URL, GRANT_FD) or len(url) != ulen:
             raise ControlError("a grant answer holds an unknown entry")
         out.append(Granted(kind, tier, size, url, deadline_ms))
     if pos != len(value):

@@ -30,6 +30,7 @@ from .audit import Audit
 from .commands import Commands
 from .door import Door
 from .handlers import REQUESTS, handler
+from .handout import Handout
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
 from .promotion import Promotion
@@ -80,8 +81,10 @@ class Operations(pyfuse3.Operations):
         self.adoption.after_growth = self.reclaim.wake_if_over
         self.promotion = Promotion(tree, self.adoption, self.reclaim)
         self.door = Door(tree, self.files, self.reclaim)
-        self.xattrs = Xattrs(tree, self.reclaim,
-                             Commands(tree, self.adoption, self.reclaim, self.promotion))
+        commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
+        self.xattrs = Xattrs(tree, self.reclaim, commands)
+        self.handout = Handout(store.root, commands.grants.take_fds, tree.io)
+        commands.grants.handout_on = lambda: self.handout.on
         # The same objects, by the names the handlers use.
         self.index, self.store, self.stats = index, store, tree.stats
         self.lookups, self.open_files, self.handles = (tree.lookups, tree.open_files,
@@ -107,6 +110,8 @@ class Operations(pyfuse3.Operations):
             nursery.start_soon(self.adoption.run)
             if self.tree.tiering is not None:
                 nursery.start_soon(self.tree.tiering.run)
+                if any(t.hands_files for t in self.tree.tiering.tiers):
+                    nursery.start_soon(self.handout.run)
 
     def snapshot(self, tenants: set[int] | None = None) -> dict[str, Any]:
         """Everything `.kvfs/stats.json` shows (the metrics endpoint's source too)."""

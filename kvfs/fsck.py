@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from . import blockfile, hashing
 from .index import ORPHAN_PARENT, ROOT_INODE, WATCHED, Index, Node, ensure_root
-from .layout import STATE_DIR, TEMP_PREFIX
+from .layout import HANDOUT_SOCKET, STATE_DIR, TEMP_PREFIX
 from .store import BackingStore
 
 log = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class Reconciler:
         listing.blocks = {}
         kept = []
         for name, st in listing.entries:
-            if not drel and name == STATE_DIR:
+            if not drel and name in (STATE_DIR, HANDOUT_SOCKET):
                 continue
             rel = drel + b"/" + name if drel else name
             try:
@@ -347,7 +347,7 @@ class Reconciler:
         pre = listing if listing.blocks is not None else None
         batch: list[tuple] = []
         for name, st in listing.entries if entries is None else entries:
-            if dnode.inode == ROOT_INODE and name == STATE_DIR:
+            if dnode.inode == ROOT_INODE and name in (STATE_DIR, HANDOUT_SOCKET):
                 continue
             rel = drel + b"/" + name if drel else name
             self.report.entries += 1

@@ -9,12 +9,14 @@ asked while its circuit is closed, the client's GET tells, and while half-open a
 probe) and signs, with its own credentials, a GET of that one object valid for
 :data:`GRANT_SECONDS`, with the deadline its own fetch would have. The client never holds
 a credential, nor a URL that reaches another object or outlives its request by more than
-seconds. A block in a lower tier the client cannot read (a directory) is promoted as by
-``fetch``, and the answer says it is hot.
+seconds. A block in a directory tier is handed to a client that takes descriptors
+(control.GRANT_TAKES_FDS, while the handout socket listens) as its open file
+(kvfs.handout: ``GRANT_FD``, read once by the client, which writes the hot copy behind);
+for any other it is promoted as by ``fetch``, and the answer says it is hot.
 
 State (event loop only): the answers not yet read (`_replies`), each for one uid and one
 directory, kept :data:`kvfs.control.GRANT_REPLY_TTL` seconds (getxattr may ask twice: once
-for the size).
+for the size), and beside each the files it granted as descriptors, until handed out once.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import errno
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -50,18 +53,25 @@ class Grants:
         self.promotion = promotion
         # nonce -> (expires at, uid, directory inode, answer)
         self._replies: OrderedDict[bytes, tuple[float, int, int, bytes]] = OrderedDict()
+        # nonce -> the GRANT_FD blocks of its answer, in order: (tier's open_block, key)
+        self._fds: dict[bytes, list[tuple[Callable[[str], int | None], str]]] = {}
+        #: Whether the handout socket listens (kvfs.handout sets it).
+        self.handout_on: Callable[[], bool] = lambda: False
 
     async def grant(self, dnode: Node, value: bytes, uid: int) -> None:
         """Answer a grant command (see kvfs.control): the longest prefix of its blocks that
         some tier holds, each hot or with a URL, stored for :meth:`reply`."""
-        nonce, hashes, budget = control.unpack_grant(value)
+        nonce, hashes, budget, flags = control.unpack_grant(value)
         found: list[control.Granted | None] = [None] * len(hashes)
+        files: dict[int, tuple[Callable[[str], int | None], str]] = {}
+        fds = bool(flags & control.GRANT_TAKES_FDS) and self.handout_on()
         await self.adoption.listed_fans(dnode, hashes)
         dpath = self.tree.path(dnode)
         with trio.move_on_after(budget if budget is not None else float("inf")) as scope:
             async with trio.open_nursery() as nursery:
                 for i, h in enumerate(hashes):
-                    nursery.start_soon(self._one, dnode, dpath, h, found, i)
+                    nursery.start_soon(self._one, dnode, dpath, h, found, i,
+                                       files if fds else None)
         n = next((i for i, g in enumerate(found) if g is None), len(found))
         if scope.cancelled_caught and self.tree.nursery is not None:
             # The budget is spent: what was not found in time is fetched in the background
@@ -72,12 +82,26 @@ class Grants:
         now = time.monotonic()
         while self._replies and (len(self._replies) >= MAX_REPLIES
                                  or next(iter(self._replies.values()))[0] < now):
-            self._replies.popitem(last=False)
-        self._replies[nonce] = (now + control.GRANT_REPLY_TTL, uid, dnode.inode,
-                                _fitting(found[:n]))  # type: ignore[arg-type]
+            self._fds.pop(self._replies.popitem(last=False)[0], None)
+        answer = _fitting(found[:n])  # type: ignore[arg-type]
+        n = len(control.unpack_grant_reply(answer))
+        self._replies[nonce] = (now + control.GRANT_REPLY_TTL, uid, dnode.inode, answer)
+        if files:
+            self._fds[nonce] = [files[i] for i in range(n) if i in files]
+
+    def take_fds(self, nonce: bytes, uid: int
+                 ) -> list[tuple[Callable[[str], int | None], str]] | None:
+        """The files grant `nonce` handed out as descriptors, for the uid that asked, once,
+        while its answer is kept (kvfs.handout)."""
+        got = self._replies.get(nonce)
+        if got is None or got[0] < time.monotonic() or got[1] != uid:
+            return None
+        return self._fds.pop(nonce, None)
 
     async def _one(self, dnode: Node, dpath: bytes, h: bytes,
-                   found: list[control.Granted | None], i: int) -> None:
+                   found: list[control.Granted | None], i: int,
+                   files: dict[int, tuple[Callable[[str], int | None], str]] | None
+                   ) -> None:
         tiering = self.tree.tiering
         fan_name, name = h[:1].hex().encode(), hashing.block_filename(h).encode()
         fan = self.index.lookup(dnode.inode, fan_name)
@@ -98,6 +122,12 @@ class Grants:
             deadline = tiering.deadline(node.size if node is not None else size)
             found[i] = control.Granted(control.GRANT_URL, t + 1, size or 0, url,
                                        round(deadline * 1000))
+            return
+        if files is not None and tiering.tiers[t].hands_files:
+            # A directory tier's file, handed to the client as a descriptor (kvfs.handout).
+            tiering.counters[t].grants += 1
+            files[i] = (tiering.tiers[t].open_block, key)
+            found[i] = control.Granted(control.GRANT_FD, t + 1, size or 0)
             return
         # A tier the client cannot read itself: promoted here, then read hot. Run in the
         # mount's nursery, so that a spent budget leaves it to finish (placed whole or not).

@@ -11,6 +11,9 @@ from __future__ import annotations
 #: quarantine, staging). Never a tenant: tenant names cannot start with a dot. The mount
 #: shows a virtual directory of the same name at its root (stats.json, version).
 STATE_DIR = b".kvfs"
+#: The daemon's handout socket in the backing root (kvfs.handout), a directory tier's block
+#: files handed to the clients granted them. Never a tenant (a dot name, and not a directory).
+HANDOUT_SOCKET = b".kvfs.sock"
 #: Prefix of temporaries that the direct path writes before renaming into place.
 TEMP_PREFIX = b".kvfs-tmp."
 #: Bad files are moved here, below STATE_DIR.

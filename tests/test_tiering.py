@@ -116,11 +116,25 @@ def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_pa
         assert cb.tiers == ["shared"]
         calls = cb.stats["control_calls"]
         assert cb.lookup(hashes) == 6
-        assert cb.stats["control_calls"] - calls == 2  # one fetch, one access record
+        assert cb.stats["control_calls"] - calls == 2  # one grant, one access record
         out = torch.zeros_like(kv_in)
         assert cb.load(hashes, out) == 6
         assert torch.equal(out, kv_in)
-    assert b.stats()["tiers"][0]["hits"] == 6
+        # One pass: the daemon handed the tier's files over (kvfs.handout) and fetched
+        # none of them; the load read them and wrote the hot copies behind.
+        assert cb.stats["remote_blocks"] == 6
+    tier = b.stats()["tiers"][0]
+    assert tier["grants"] == 6 and tier["hits"] == 0 and tier["fetched_bytes"] == 0
+    ns_b = b.mnt / "t" / spec.namespace
+    for h in hashes:
+        assert os.getxattr(ns_b / hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
+    assert b.stats()["tenants"]["t"][spec.namespace]["promotions"] == 6
+    with kv.KVCache.open(b.mnt, tenant="t", spec=spec) as cb:
+        calls = cb.stats["control_calls"]
+        assert cb.lookup(hashes) == 6 and cb.stats["control_calls"] == calls  # all hot
+        out = torch.zeros_like(kv_in)
+        assert cb.load(hashes, out) == 6 and torch.equal(out, kv_in)
+    assert b.stats()["tiers"][0]["grants"] == 6
 
 
 def test_kvfs_warm_promotes_a_namespace(mount_factory, tmp_path):

@@ -30,13 +30,14 @@ import logging
 import os
 import queue
 import resource
+import stat
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .. import blockfile, control
+from .. import blockfile, control, handout
 from ..hashing import ModelSpec
 from ..hashing import block_hashes as _block_hashes
 from ..layout import MANIFEST as _MANIFEST
@@ -68,6 +69,21 @@ _COUNTERS = (
     # behind, and those skipped for want of room
     "remote_blocks", "remote_bytes", "behind_blocks", "behind_skipped",
 )
+
+
+def _handout(data_dir: str) -> remote.Handout | None:
+    """The daemon's handout socket for the namespace backed by ``data_dir``
+    (``<root>/<tenant>/<namespace>``), trusted as the daemon's where its peer runs as root
+    or as the backing root's owner; None where there is none."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(data_dir)))
+    path = handout.socket_path(root)
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return None
+        owner = os.stat(root).st_uid
+    except OSError:
+        return None
+    return remote.Handout(path, frozenset({0, owner}))
 
 
 class SpecMismatch(ValueError):
@@ -132,6 +148,9 @@ class KVCache(Saving, Loading):
             self.tiers = [t for t in os.getxattr(ns_dir, TIERS_XATTR).decode().split(",") if t]
         except OSError:
             self.tiers = []
+        # A directory tier's files may be handed to this process by the daemon, where it
+        # reads the backing tree itself (kvfs.handout).
+        self._handout = _handout(data_dir) if direct and self.tiers else None
         _raise_fd_limit()
 
     # -- opening -------------------------------------------------------------------------
@@ -258,7 +277,7 @@ class KVCache(Saving, Loading):
             # (a presigned GET for a shared tier's, sent now; the load reads its body).
             try:
                 n += remote.ask(self._channel, self.ns_dir, hashes[n:], budget,
-                                self._remote_pool)
+                                self._remote_pool, self._handout)
             except OSError as exc:
                 if exc.errno not in (errno.EPERM, errno.EINVAL, errno.ENOTSUP):
                     raise

@@ -10,6 +10,10 @@ evicted between the two has lost its name, not its bytes, so the load still gets
 as ever. The bytes of an evicted block stay on the disk until its lease ends (the capacity
 is exceeded by at most what leases hold, for at most :data:`LEASE_S`). A load in another
 process (vLLM workers with tensor parallelism) finds no lease and reads by name, as before.
+
+A lookup's grant may also lease blocks of a directory tier, whose files the daemon handed
+over as descriptors (kvfs.handout, :func:`keep_below`): the load reads them the same way,
+and writes their hot copies behind.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ MAX_LEASES = 16384
 _lock = threading.Lock()
 #: (namespace directory, block hash) -> (monotonic time leased, fd)
 _TABLE: dict[tuple[str, bytes], tuple[float, int]] = {}
+#: The keys of _TABLE whose fd is a lower tier's file (handed out by the daemon).
+_BELOW: set[tuple[str, bytes]] = set()
 
 
 def take(ns_dir: str, path: Callable[[bytes], str], hashes: Sequence[bytes],
@@ -64,7 +70,16 @@ def _exists(path: Callable[[bytes], str], rest: Sequence[bytes], got: list[tuple
     return k
 
 
-def _keep(ns_dir: str, got: list[tuple[bytes, int]], now: float) -> None:
+def keep_below(ns_dir: str, got: list[tuple[bytes, int]]) -> None:
+    """Lease the descriptors of lower-tier files the daemon handed out for ``got``'s
+    blocks (now this table's to close)."""
+    now = time.monotonic()
+    _sweep(now)
+    _keep(ns_dir, got, now, below=True)
+
+
+def _keep(ns_dir: str, got: list[tuple[bytes, int]], now: float, below: bool = False
+          ) -> None:
     old = []
     with _lock:
         for h, fd in got:
@@ -72,6 +87,10 @@ def _keep(ns_dir: str, got: list[tuple[bytes, int]], now: float) -> None:
             if prev is not None:
                 old.append(prev[1])
             _TABLE[(ns_dir, h)] = (now, fd)
+            if below:
+                _BELOW.add((ns_dir, h))
+            else:
+                _BELOW.discard((ns_dir, h))
     for fd in old:
         os.close(fd)
 
@@ -80,13 +99,16 @@ def _sweep(now: float) -> None:
     with _lock:
         stale = [k for k, (at, _) in _TABLE.items() if now - at > LEASE_S] if _TABLE else []
         fds = [_TABLE.pop(k)[1] for k in stale]
+        _BELOW.difference_update(stale)
     for fd in fds:
         os.close(fd)
 
 
-def claim(ns_dir: str, hashes: Sequence[bytes]) -> dict[int, int]:
+def claim(ns_dir: str, hashes: Sequence[bytes], below: set[int] | None = None
+          ) -> dict[int, int]:
     """The leased descriptors of ``hashes`` (by index), now the caller's to read and
-    :func:`release`."""
+    :func:`release`; the indexes of those that are lower-tier files are added to
+    ``below``."""
     out: dict[int, int] = {}
     if not _TABLE:
         return out
@@ -94,16 +116,26 @@ def claim(ns_dir: str, hashes: Sequence[bytes]) -> dict[int, int]:
     stale = []
     with _lock:
         for i, h in enumerate(hashes):
-            got = _TABLE.pop((ns_dir, bytes(h)), None)
+            key = (ns_dir, bytes(h))
+            got = _TABLE.pop(key, None)
             if got is None:
                 continue
+            lower = key in _BELOW
+            _BELOW.discard(key)
             if now - got[0] > LEASE_S:
                 stale.append(got[1])
             else:
                 out[i] = got[1]
+                if lower and below is not None:
+                    below.add(i)
     for fd in stale:
         os.close(fd)
     return out
+
+
+def has_below(ns_dir: str, hashes: Sequence[bytes]) -> bool:
+    """Whether any of ``hashes`` is leased as a lower tier's file."""
+    return bool(_BELOW) and any((ns_dir, bytes(h)) in _BELOW for h in hashes)
 
 
 def release(fds: dict[int, int]) -> None:
@@ -114,7 +146,9 @@ def release(fds: dict[int, int]) -> None:
 def forget(ns_dir: str) -> None:
     """Close this namespace's leases (its cache is closing)."""
     with _lock:
-        fds = [_TABLE.pop(k)[1] for k in [k for k in _TABLE if k[0] == ns_dir]]
+        mine = [k for k in _TABLE if k[0] == ns_dir]
+        fds = [_TABLE.pop(k)[1] for k in mine]
+        _BELOW.difference_update(mine)
     for fd in fds:
         os.close(fd)
 

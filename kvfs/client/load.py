@@ -216,7 +216,8 @@ class Loading(Layouts):
             try:
                 if ready is not None:
                     ready.synchronize()
-                if out.device.type == "cpu" and remote.has_grants(self.ns_dir, hashes):
+                if out.device.type == "cpu" and (remote.has_grants(self.ns_dir, hashes) or
+                                                 leases.has_below(self.ns_dir, hashes)):
                     # Blocks to fetch from a shared tier: whole, each in one GET (the
                     # network, not the layer order, sets the pace), then every layer at once.
                     n = self.load(hashes, out)
@@ -243,11 +244,40 @@ class Loading(Layouts):
         for are fetched from their tier into the same memory (:meth:`_load_granted`);
         their hot copies are written from it (``own``: torch tensors, which the writer
         holds alive) or from copies (memory the caller's engine manages)."""
-        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes).items()}
+        below: set[int] = set()
+        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes, below).items()}
         try:
-            return self._load_leased(hashes, tensors_of, views_of, batch, leased, own)
+            end = self._load_leased(hashes, tensors_of, views_of, batch, leased, own)
+            if below:
+                self._behind_below(hashes, sorted(i for i in below if i < end), leased,
+                                   tensors_of, host=views_of is not None, own=own)
+            return end
         finally:
             leases.release(leased)
+
+    def _behind_below(self, hashes: list[bytes], loaded: list[int], leased: dict[bytes, int],
+                      tensors_of: Callable[[int], list[torch.Tensor]], *, host: bool,
+                      own: bool) -> None:
+        """The hot copies of blocks a load read from files of a directory tier the daemon
+        handed out (kvfs.handout): written behind from the memory they landed in (copies of
+        an engine's memory); for device memory the daemon promotes them (a prefetch)."""
+        if not loaded:
+            return
+        self._count(remote_blocks=len(loaded),
+                    remote_bytes=len(loaded) * self._file_bytes)
+        if not host:
+            self._channel.report(control.PREFETCH,
+                                 control.pack_hashes([hashes[i] for i in loaded]))
+            return
+        check = self._header_check
+        headers = [os.pread(leased[hashes[i]], blockfile.HEADER_SIZE, 0) for i in loaded]
+        parts = [tensors_of(i) if own else
+                 [torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors_of(i)])]
+                 for i in loaded]
+        self.write_behind([hashes[i] for i in loaded], [hdr[32:48] for hdr in headers], parts,
+                          [check.payload_checksum(hdr, hashes[i]) or
+                           blockfile.decode_header(hdr).checksum
+                           for i, hdr in zip(loaded, headers, strict=True)])
 
     def _load_leased(self, hashes: list[bytes],
                      tensors_of: Callable[[int], list[torch.Tensor]],
@@ -574,9 +604,15 @@ class Loading(Layouts):
 
     def _load_layerwise(self, hashes: list[bytes], blocks: torch.Tensor,
                         handle: LoadHandle) -> int:
-        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes).items()}
+        below: set[int] = set()
+        leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes, below).items()}
         try:
-            return self._load_layers(hashes, blocks, handle, _Prefix(len(hashes), leased))
+            end = self._load_layers(hashes, blocks, handle, _Prefix(len(hashes), leased))
+            # Blocks read from a directory tier's files (into device memory here): the
+            # daemon places them hot.
+            self._behind_below(hashes, sorted(i for i in below if i < end), leased,
+                               lambda i: [blocks[i]], host=False, own=True)
+            return end
         finally:
             leases.release(leased)
 

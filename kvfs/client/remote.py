@@ -25,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import http.client
+import logging
 import os
 import threading
 import time
@@ -37,7 +38,9 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .. import control
+from .. import handout as handout_client
 from ..transport import HASH_PIECE
+from . import leases
 
 #: Seconds after its lookup within which a load uses a grant (its URL is valid longer).
 USE_WITHIN = 10.0
@@ -50,6 +53,7 @@ MAX_IDLE = 64
 FETCH_FLOOR_S = 1.0
 
 _lock = threading.Lock()
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -96,25 +100,65 @@ def _getxattr(path: str, name: bytes) -> bytes:
     return buf.raw[:n]
 
 
+@dataclass
+class Handout:
+    """Where this process may be handed a directory tier's files (kvfs.handout): the
+    daemon's socket, and the uids the daemon may run as (its peer must be one). ``usable``
+    turns False when the socket cannot be reached (then the daemon promotes, as before)."""
+
+    path: str
+    uids: frozenset[int]
+    usable: bool = True
+
+
 def ask(channel, ns_dir: str, hashes: Sequence[bytes], budget: float | None,
-        pool: Executor) -> int:
-    """The length of the prefix of ``hashes`` that can be loaded: hot, or answered by its
-    GET (see the module's docstring); the answered GETs are kept for the load. Raises
-    OSError where the daemon does not take grants (an older kvfs)."""
+        pool: Executor, handout: Handout | None = None) -> int:
+    """The length of the prefix of ``hashes`` that can be loaded: hot, answered by its
+    GET (see the module's docstring), or handed over as a directory tier's file (with
+    ``handout``); the answered GETs and the files are kept for the load. Raises OSError
+    where the daemon does not take grants (an older kvfs)."""
     end = None if budget is None else time.monotonic() + budget
     n = 0
     for i in range(0, len(hashes), control.MAX_GRANT):
+        flags = control.GRANT_TAKES_FDS if handout is not None and handout.usable else 0
         chunk = list(hashes[i:i + control.MAX_GRANT])
         left = None if end is None else max(0.001, end - time.monotonic())
         nonce = os.urandom(16)
-        channel.command(control.GRANT, control.pack_grant(nonce, chunk, left))
+        channel.command(control.GRANT, control.pack_grant(nonce, chunk, left, flags))
         got = control.unpack_grant_reply(_getxattr(ns_dir, control.GRANT_REPLY
                                                    + nonce.hex().encode()))[:len(chunk)]
+        if flags:
+            got = got[:_take_files(channel, ns_dir, chunk, got, nonce, handout)]
         k = _answer(channel, ns_dir, chunk, got, end, pool)
         n += k
         if k < len(chunk):
             break
     return n
+
+
+def _take_files(channel, ns_dir: str, chunk: list[bytes], got: list[control.Granted],
+                nonce: bytes, handout: Handout) -> int:
+    """Collect the files the daemon hands out for the GRANT_FD blocks of ``got`` and lease
+    them to the load (kvfs.client.leases): the length of the prefix of ``got`` still
+    loadable (it ends at a block whose file did not come). A socket this process cannot
+    use is not asked again; the blocks are then left to the daemon (a prefetch)."""
+    wanted = [i for i, g in enumerate(got) if g.kind == control.GRANT_FD]
+    if not wanted:
+        return len(got)
+    try:
+        fds = handout_client.collect(handout.path, nonce, set(handout.uids))
+    except OSError as exc:
+        log.warning("%s: the handout socket %s failed (%s): blocks below are fetched by "
+                    "the daemon", ns_dir, handout.path, exc)
+        fds = None
+    if fds is None:
+        handout.usable = False
+        channel.report(control.PREFETCH, control.pack_hashes([chunk[i] for i in wanted]))
+        return wanted[0]
+    for fd in fds[len(wanted):]:
+        os.close(fd)
+    leases.keep_below(ns_dir, [(chunk[i], fd) for i, fd in zip(wanted, fds, strict=False)])
+    return wanted[len(fds)] if len(fds) < len(wanted) else len(got)
 
 
 def _answer(channel, ns_dir: str, chunk: list[bytes], got: list[control.Granted],

@@ -65,6 +65,8 @@ class Tier(ABC):
     url: str
     #: Whether `presign_get` gives URLs (a client may read this tier's objects itself).
     presigns = False
+    #: Whether `open_block` gives descriptors (the daemon may hand a client the file).
+    hands_files = False
 
     @abstractmethod
     def put(self, key: str, src: str | bytes) -> bool:
@@ -95,6 +97,12 @@ class Tier(ABC):
     def presign_get(self, key: str, expires: int) -> str | None:
         """A URL that reads `key` alone, by anyone holding it, for `expires` seconds; None
         where the tier has no such thing (a directory). Makes no request."""
+        return None
+
+    def open_block(self, key: str) -> int | None:
+        """An open read-only descriptor of `key`'s file, for the daemon to hand to a client
+        it granted the block (kvfs.handout); None where the tier has no files (S3) or the
+        key is absent. The caller closes it."""
         return None
 
     def usage(self) -> tuple[int, int]:

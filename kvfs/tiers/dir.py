@@ -50,6 +50,8 @@ class DirTier(Tier):
     """Files at ``<root>/<key>``: a local HDD, or a POSIX file system every host mounts (NFS,
     CephFS, Lustre). It holds every tenant's data, so directories are 0700 and files 0600."""
 
+    hands_files = True
+
     def __init__(self, root: str, name: str = "cold", *, fsync: bool = False) -> None:
         self.root = os.path.abspath(root)
         self.name = name
@@ -114,6 +116,21 @@ class DirTier(Tier):
         finally:
             if tmp is not None:
                 unlink_quietly(tmp)
+
+    def open_block(self, key: str) -> int | None:
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR, errno.ELOOP):
+                return None  # absent, or not a file kvfs wrote (a link)
+            raise self._error("open", key, exc) from exc
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
 
     def exists(self, key: str) -> bool:
         return self.size(key) is not None
