@@ -37,8 +37,11 @@ Queries are plain getxattr: ``user.kvfs.backing`` on any node gives its backing 
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass
+
+from .layout import HANDOUT_SOCKET
 
 #: Every kvfs attribute name starts so; the daemon answers them, the kernel never stores them.
 XATTR_PREFIX = b"user.kvfs."
@@ -274,3 +277,30 @@ def unpack_grant_reply(value: bytes) -> list[Granted]:
     if pos != len(value):
         raise ControlError("a grant answer has trailing bytes")
     return out
+
+
+# -- the handout socket (kvfs.handout): a grant's files, as descriptors ---------------------
+
+HANDOUT_MAGIC = b"KVD1"
+#: The question: KVD1 and the grant's nonce.
+HANDOUT_ASK = struct.Struct("<4s16s")
+#: The answer: KVD1 and the number of descriptors it carries (SCM_RIGHTS), in grant order.
+HANDOUT_ANSWER = struct.Struct("<4sB")
+#: struct ucred, as SO_PEERCRED gives it: pid, uid, gid.
+PEERCRED = struct.Struct("3i")
+
+
+def socket_path(root: str | bytes) -> str:
+    """The handout socket's path in backing root `root`."""
+    return os.path.join(os.fsdecode(root), os.fsdecode(HANDOUT_SOCKET))
+
+
+def pack_ask(nonce: bytes) -> bytes:
+    return HANDOUT_ASK.pack(HANDOUT_MAGIC, nonce)
+
+
+def unpack_answer(data: bytes) -> int:
+    """The number of descriptors a handout answer carries."""
+    if len(data) < HANDOUT_ANSWER.size or data[:4] != HANDOUT_MAGIC:
+        raise ControlError("a handout answer starts with KVD1")
+    return HANDOUT_ANSWER.unpack_from(data)[1]

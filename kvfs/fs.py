@@ -83,7 +83,7 @@ class Operations(pyfuse3.Operations):
         self.door = Door(tree, self.files, self.reclaim)
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
         self.xattrs = Xattrs(tree, self.reclaim, commands)
-        self.handout = Handout(store.root, commands.grants.take_fds, tree.io)
+        self.handout = Handout(store.root, commands.grants.take_fds, commands.grants.close)
         commands.grants.handout_on = lambda: self.handout.on
         # The same objects, by the names the handlers use.
         self.index, self.store, self.stats = index, store, tree.stats

@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import pyfuse3
 import trio
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 GRANT_SECONDS = 15
 #: Answers kept unread at most (older ones go first).
 MAX_REPLIES = 256
+#: Open files held for grants not yet collected; past it a directory tier's blocks are
+#: promoted instead of handed out.
+MAX_HELD = 4096
 
 
 class Grants:
@@ -53,8 +57,9 @@ class Grants:
         self.promotion = promotion
         # nonce -> (expires at, uid, directory inode, answer)
         self._replies: OrderedDict[bytes, tuple[float, int, int, bytes]] = OrderedDict()
-        # nonce -> the GRANT_FD blocks of its answer, in order: (tier's open_block, key)
-        self._fds: dict[bytes, list[tuple[Callable[[str], int | None], str]]] = {}
+        # nonce -> the open files of its answer's GRANT_FD blocks, in order, until handed out
+        self._fds: dict[bytes, list[int]] = {}
+        self.held = 0  # descriptors in _fds
         #: Whether the handout socket listens (kvfs.handout sets it).
         self.handout_on: Callable[[], bool] = lambda: False
 
@@ -63,15 +68,23 @@ class Grants:
         some tier holds, each hot or with a URL, stored for :meth:`reply`."""
         nonce, hashes, budget, flags = control.unpack_grant(value)
         found: list[control.Granted | None] = [None] * len(hashes)
-        files: dict[int, tuple[Callable[[str], int | None], str]] = {}
+        files: dict[int, int] = {}  # block index -> its open file (GRANT_FD)
         fds = bool(flags & control.GRANT_TAKES_FDS) and self.handout_on()
         await self.adoption.listed_fans(dnode, hashes)
         dpath = self.tree.path(dnode)
-        with trio.move_on_after(budget if budget is not None else float("inf")) as scope:
-            async with trio.open_nursery() as nursery:
-                for i, h in enumerate(hashes):
-                    nursery.start_soon(self._one, dnode, dpath, h, found, i,
-                                       files if fds else None)
+        fds = fds and self.held + len(hashes) <= MAX_HELD
+        try:
+            with trio.move_on_after(budget if budget is not None else float("inf")) as scope:
+                start = (await self._files_first(dnode, dpath, hashes, found, files)
+                         if fds else 0)
+                async with trio.open_nursery() as nursery:
+                    for i, h in enumerate(hashes):
+                        if found[i] is None:
+                            nursery.start_soon(self._one, dnode, dpath, h, found, i,
+                                               files if fds else None, start)
+        except BaseException:
+            _close(files.values())
+            raise
         n = next((i for i, g in enumerate(found) if g is None), len(found))
         if scope.cancelled_caught and self.tree.nursery is not None:
             # The budget is spent: what was not found in time is fetched in the background
@@ -82,37 +95,90 @@ class Grants:
         now = time.monotonic()
         while self._replies and (len(self._replies) >= MAX_REPLIES
                                  or next(iter(self._replies.values()))[0] < now):
-            self._fds.pop(self._replies.popitem(last=False)[0], None)
+            self._drop_fds(self._replies.popitem(last=False)[0])
         answer = _fitting(found[:n])  # type: ignore[arg-type]
         n = len(control.unpack_grant_reply(answer))
+        self._drop_fds(nonce)  # a nonce used twice: the first answer's files go
         self._replies[nonce] = (now + control.GRANT_REPLY_TTL, uid, dnode.inode, answer)
-        if files:
-            self._fds[nonce] = [files[i] for i in range(n) if i in files]
+        kept = [files.pop(i) for i in range(n) if i in files]
+        _close(files.values())  # past the answered prefix
+        if kept:
+            self._fds[nonce] = kept
+            self.held += len(kept)
 
-    def take_fds(self, nonce: bytes, uid: int
-                 ) -> list[tuple[Callable[[str], int | None], str]] | None:
-        """The files grant `nonce` handed out as descriptors, for the uid that asked, once,
-        while its answer is kept (kvfs.handout)."""
+    def _drop_fds(self, nonce: bytes) -> None:
+        fds = self._fds.pop(nonce, None)
+        if fds:
+            self.held -= len(fds)
+            _close(fds)
+
+    def take_fds(self, nonce: bytes, uid: int) -> list[int]:
+        """The open files grant `nonce` granted as descriptors (now the caller's to close),
+        for the uid that asked, once, while its answer is kept (kvfs.handout)."""
         got = self._replies.get(nonce)
         if got is None or got[0] < time.monotonic() or got[1] != uid:
-            return None
-        return self._fds.pop(nonce, None)
+            return []
+        fds = self._fds.pop(nonce, [])
+        self.held -= len(fds)
+        return fds
+
+    def close(self) -> None:
+        """The mount ends: the files not handed out are closed."""
+        for nonce in list(self._fds):
+            self._drop_fds(nonce)
+
+    def _node(self, dnode: Node, h: bytes) -> Node | None:
+        return self.index.lookup_in(dnode.inode, h[:1].hex().encode(),
+                                    hashing.block_filename(h).encode())
+
+    async def _files_first(self, dnode: Node, dpath: bytes, hashes: list[bytes],
+                           found: list[control.Granted | None], files: dict[int, int]) -> int:
+        """Where the first lower tier is one of files: the blocks the hot tier lacks are
+        opened there in one thread call and granted as descriptors (kvfs.handout). The
+        number of tiers asked (0 or 1)."""
+        tiering = self.tree.tiering
+        if tiering is None or not tiering.tiers[0].hands_files or not tiering.reachable():
+            return 0
+        todo = []
+        for i, h in enumerate(hashes):
+            node = self._node(dnode, h)
+            if node is not None and not node.tier:
+                found[i] = control.Granted(control.GRANT_HOT)
+            else:
+                todo.append(i)
+        if not todo:
+            return 1
+        keys = [self.tree.tier_key(join(dpath, hashing.block_relpath(hashes[i]).encode()))
+                for i in todo]
+        fds = await tiering.open_many(0, keys)
+        if fds is None:
+            return 0
+        for i, fd in zip(todo, fds, strict=True):
+            if fd is not None:
+                self._grant_fd(found, files, i, 0, fd)
+        return 1
+
+    def _grant_fd(self, found: list[control.Granted | None], files: dict[int, int], i: int,
+                  t: int, fd: int) -> None:
+        assert self.tree.tiering is not None
+        self.tree.tiering.counters[t].grants += 1
+        files[i] = fd
+        found[i] = control.Granted(control.GRANT_FD, t + 1, os.fstat(fd).st_size)
 
     async def _one(self, dnode: Node, dpath: bytes, h: bytes,
                    found: list[control.Granted | None], i: int,
-                   files: dict[int, tuple[Callable[[str], int | None], str]] | None
-                   ) -> None:
+                   files: dict[int, int] | None, start: int = 0) -> None:
         tiering = self.tree.tiering
-        fan_name, name = h[:1].hex().encode(), hashing.block_filename(h).encode()
-        fan = self.index.lookup(dnode.inode, fan_name)
-        node = self.index.lookup(fan.inode, name) if fan is not None else None
+        name = hashing.block_filename(h).encode()
+        fan_name = h[:1].hex().encode()
+        node = self._node(dnode, h)
         if node is not None and not node.tier:
             found[i] = control.Granted(control.GRANT_HOT)
             return
         if tiering is None or not tiering.reachable():
             return
         key = self.tree.tier_key(join(dpath, hashing.block_relpath(h).encode()))
-        where = await tiering.locate(key, ask_presigned=False)
+        where = await tiering.locate(key, ask_presigned=False, start=start)
         if where is None:
             return
         t, size = where
@@ -125,9 +191,9 @@ class Grants:
             return
         if files is not None and tiering.tiers[t].hands_files:
             # A directory tier's file, handed to the client as a descriptor (kvfs.handout).
-            tiering.counters[t].grants += 1
-            files[i] = (tiering.tiers[t].open_block, key)
-            found[i] = control.Granted(control.GRANT_FD, t + 1, size or 0)
+            got = await tiering.open_many(t, [key])
+            if got and got[0] is not None:
+                self._grant_fd(found, files, i, t, got[0])
             return
         # A tier the client cannot read itself: promoted here, then read hot. Run in the
         # mount's nursery, so that a spent budget leaves it to finish (placed whole or not).
@@ -172,3 +238,8 @@ def _fitting(entries: list[control.Granted]) -> bytes:
             return control.pack_grant_reply(entries)
         except control.ControlError:
             entries = entries[:len(entries) * 3 // 4]
+
+
+def _close(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.close(fd)

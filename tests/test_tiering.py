@@ -116,7 +116,8 @@ def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_pa
         assert cb.tiers == ["shared"]
         calls = cb.stats["control_calls"]
         assert cb.lookup(hashes) == 6
-        assert cb.stats["control_calls"] - calls == 2  # one grant, one access record
+        # One grant (its access record goes with the load that follows).
+        assert cb.stats["control_calls"] - calls == 1
         out = torch.zeros_like(kv_in)
         assert cb.load(hashes, out) == 6
         assert torch.equal(out, kv_in)

@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .. import blockfile, control, handout
+from .. import blockfile, control
 from ..hashing import ModelSpec
 from ..hashing import block_hashes as _block_hashes
 from ..layout import MANIFEST as _MANIFEST
@@ -76,7 +76,7 @@ def _handout(data_dir: str) -> remote.Handout | None:
     (``<root>/<tenant>/<namespace>``), trusted as the daemon's where its peer runs as root
     or as the backing root's owner; None where there is none."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(data_dir)))
-    path = handout.socket_path(root)
+    path = control.socket_path(root)
     try:
         if not stat.S_ISSOCK(os.stat(path).st_mode):
             return None
@@ -295,8 +295,11 @@ class KVCache(Saving, Loading):
             n = leases.take(self.ns_dir, self.path, hashes, n)
         miss, bs = len(hashes) - n, self.spec.block_size
         # A lookup that found blocks holds its record back for the load that follows (one
-        # control call per lookup + load); one that found none, or fetched, sends it now.
-        self._channel.access(hashes[:n], defer=n > 0 and not fetched, now=fetched, lookups=1,
+        # control call per lookup + load); one that found none, or had the daemon fetch,
+        # sends it now (a granted lookup's load reads the blocks itself: it holds it back).
+        daemon_fetched = fetched and not self._grants
+        self._channel.access(hashes[:n], defer=n > 0 and not daemon_fetched,
+                             now=daemon_fetched, lookups=1,
                      hit_blocks=n, miss_blocks=miss, hit_tokens=n * bs, miss_tokens=miss * bs)
         self._count(lookups=1, hit_blocks=n, miss_blocks=miss)
         return n

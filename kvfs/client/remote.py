@@ -38,8 +38,8 @@ from urllib.parse import urlsplit
 import xxhash
 
 from .. import control
-from .. import handout as handout_client
 from ..transport import HASH_PIECE
+from . import handout as handout_client
 from . import leases
 
 #: Seconds after its lookup within which a load uses a grant (its URL is valid longer).

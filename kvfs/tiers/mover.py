@@ -305,14 +305,17 @@ class Tiering:
             return got
         return None
 
-    async def locate(self, key: str, *, ask_presigned: bool = True
+    async def locate(self, key: str, *, ask_presigned: bool = True, start: int = 0
                      ) -> tuple[int, int | None] | None:
         """(0-based index, size) of the first lower tier that holds `key`, asked in order
         (an S3 tier: one HEAD) within the deadlines and circuits of a fetch; None if none
         does. Without `ask_presigned`, a tier whose objects a presigned GET reads is not
         asked while its circuit is closed: it is the answer, size None (the client's GET
-        will tell); while the circuit is half-open the HEAD is its probe. Moves no block."""
+        will tell); while the circuit is half-open the HEAD is its probe. `start`: the
+        tiers before it are not asked (the caller did). Moves no block."""
         for i, tier in enumerate(self.tiers):
+            if i < start:
+                continue
             c, breaker = self.counters[i], self.breakers[i]
             if not ask_presigned and tier.presigns and breaker.state == "closed":
                 return i, None
@@ -341,6 +344,60 @@ class Tiering:
                 continue
             return i, size
         return None
+
+    async def open_many(self, i: int, keys: list[str]) -> list[int | None] | None:
+        """Descriptors of `keys`' files in tier `i` (None: absent), opened in one thread call
+        within one lookup's deadline and the tier's circuit (a tier of files: kvfs.handout);
+        None if the tier could not answer. The caller closes them; a call abandoned at its
+        deadline closes its own."""
+        c, breaker, tier = self.counters[i], self.breakers[i], self.tiers[i]
+        lock, box = threading.Lock(), {"abandoned": False}
+
+        def opener() -> list[int | None]:
+            fds = []
+            try:
+                for k in keys:
+                    fds.append(tier.open_block(k))
+            except BaseException:
+                _close(fds)
+                raise
+            with lock:
+                if box["abandoned"]:
+                    _close(fds)
+                    return []
+                box["fds"] = fds
+            return fds
+
+        def abandon() -> None:
+            with lock:
+                box["abandoned"] = True
+                _close(box.pop("fds", []))  # type: ignore[arg-type]
+
+        opens = breaker.opens
+        if not breaker.allow():
+            c.skipped += len(keys)
+            return None
+        try:
+            done, got = await self._call(i, opener, timeout=self.deadline(0), opens=opens)
+        except _Refused:
+            c.skipped += len(keys)
+            return None
+        except (TierError, OSError) as exc:
+            c.errors += 1
+            breaker.failure()
+            log.warning("open %d keys: %s", len(keys), exc)
+            return None
+        except BaseException:  # cancelled (a grant's budget spent): nothing left open
+            abandon()
+            raise
+        if not done:
+            abandon()
+            c.timeouts += 1
+            breaker.failure()
+            return None
+        breaker.success()
+        c.misses += sum(1 for fd in got if fd is None)
+        return got
 
     async def demote(self, key: str, path: Source, size: int) -> int:
         """Put a block being evicted into the first lower tier: its 1-based index, 0 if it
@@ -432,3 +489,9 @@ class Tiering:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+def _close(fds: list[int | None]) -> None:
+    for fd in fds:
+        if fd is not None:
+            os.close(fd)
