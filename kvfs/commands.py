@@ -129,6 +129,7 @@ class Commands:
         key = tree.key(dnode)
         c = tree.stats.by_ns[key]
         changed: set[int] = set()  # directories with new entries
+        back: list[Node] = []  # names known below, hot again: the kernel's attributes go
         with self.index.transaction():
             for h, _rel, hdr, st in fresh:
                 fan = h[:1].hex().encode()
@@ -152,6 +153,7 @@ class Commands:
                     self.index.update(node.inode, tier=0, size=st.st_size,
                                       block_hash=hdr.block_hash, parent_hash=hdr.parent_hash)
                     node = self.index.get(node.inode)
+                    back.append(node)
                 else:
                     node = self.index.insert(parent=fnode.inode, name=fname, mode=st.st_mode,
                                              uid=st.st_uid, gid=st.st_gid, size=st.st_size,
@@ -168,6 +170,8 @@ class Commands:
                 c.published_blocks += 1
                 c.published_bytes += st.st_size
             tree.dir_changed(*changed)
+        for node in back:
+            tree.invalidate(node)
 
     def access(self, dnode: Node, a: control.Access) -> None:
         """The client's lookup results and reads of namespace `dnode`."""

@@ -322,3 +322,124 @@ def test_an_adopted_tree_fetches_from_its_tier(mount_factory, tmp_path):
     m.stop()
     res = kvfs("fsck", str(m.backing))
     assert " 0 added, 0 dropped, 0 updated" in res.stdout, res.stdout
+
+
+def _spec():
+    import kvfs as kv
+
+    return kv.ModelSpec(model="org/m", revision="r", kv_dtype="float16", block_size=16,
+                        num_layers=2, num_kv_heads=2, head_dim=32)
+
+
+def test_the_handout_gives_a_grants_files_to_its_asker_alone_once(mount_factory, tmp_path):
+    """The daemon is the authority over a directory tier's files: the handout socket gives
+    a grant's files to the uid that sent it, once, within its answer's TTL; a nonce never
+    granted gets nothing; the descriptors are read-only and reach those files alone."""
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+    from kvfs import control
+    from kvfs.client import handout
+
+    from .conftest import in_child
+
+    shared = tmp_path / "shared"
+    a = mount_factory("a", extra=["--shared", f"dir://{shared}"])
+    b = mount_factory("b", extra=["--shared", f"dir://{shared}"])
+    for m in (a, b):
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    spec = _spec()
+    with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as ca:
+        hashes = ca.block_hashes(list(range(16 * 3)))
+        ca.save(hashes, torch.randn(3, *spec.block_shape).to(torch.float16))
+    last = shared / "t" / spec.namespace / hashing.block_relpath(hashes[-1])
+    deadline = time.monotonic() + 10
+    while not last.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    kv.KVCache.open(b.mnt, tenant="t", spec=spec).close()
+    ns_b = str(b.mnt / "t" / spec.namespace)
+    sock = control.socket_path(b.backing)
+    assert os.stat(sock).st_mode & 0o777 == 0o666
+    nonce = os.urandom(16)
+    os.setxattr(ns_b, control.GRANT,
+                control.pack_grant(nonce, hashes, flags=control.GRANT_TAKES_FDS))
+    got = control.unpack_grant_reply(os.getxattr(ns_b, control.GRANT_REPLY
+                                                 + nonce.hex().encode()))
+    assert [g.kind for g in got] == [control.GRANT_FD] * 3
+    # Another uid asking with the same nonce is handed nothing (and takes nothing away).
+    assert in_child(1001, 1001, lambda: handout.collect(sock, nonce, {0})) == []
+    # A nonce never granted: nothing.
+    assert handout.collect(sock, os.urandom(16), {0}) == []
+    # A peer that is not the daemon's uid is not trusted.
+    assert handout.collect(sock, nonce, {4242}) is None
+    fds = handout.collect(sock, nonce, {0})
+    assert fds is not None and len(fds) == 3
+    try:
+        for h, fd in zip(hashes, fds, strict=True):
+            assert os.fstat(fd).st_ino == os.stat(
+                shared / "t" / spec.namespace / hashing.block_relpath(h)).st_ino
+            with pytest.raises(OSError):
+                os.write(fd, b"x")  # read-only
+    finally:
+        for fd in fds:
+            os.close(fd)
+    assert handout.collect(sock, nonce, {0}) == []  # once
+    # A client that takes no descriptors gets the blocks promoted, hot, as before.
+    nonce = os.urandom(16)
+    os.setxattr(ns_b, control.GRANT, control.pack_grant(nonce, hashes[:1]))
+    got = control.unpack_grant_reply(os.getxattr(ns_b, control.GRANT_REPLY
+                                                 + nonce.hex().encode()))
+    assert [g.kind for g in got] == [control.GRANT_HOT]
+    # The socket is the daemon's alone: it goes with the mount, and fsck ignores it.
+    assert ".kvfs.sock" not in kvfs("fsck", str(b.backing), check=False).stdout
+
+
+def test_blocks_demoted_here_come_back_in_one_pass(mount_factory, tmp_path):
+    """Blocks this host demoted to its cold tier (known to its index, not hot) are
+    restored by the client from the files the daemon hands over, and the hot copies it
+    writes behind make them hot again in the index (counted, within the capacity); a
+    corrupt cold file is a miss, reported, never served."""
+    torch = pytest.importorskip("torch")
+    import kvfs as kv
+
+    cold = tmp_path / "cold"
+    spec = _spec()
+    per = blockfile.HEADER_SIZE + spec.block_payload_bytes
+    m = mount_factory(extra=["--capacity", str(per * 6), "--cold", f"dir://{cold}"])
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    kv_in = torch.randn(12, *spec.block_shape).to(torch.float16)
+    with kv.KVCache.open(m.mnt, tenant="t", spec=spec) as c:
+        hashes = c.block_hashes(list(range(16 * 12)))
+        for i in range(12):
+            c.save(hashes[i:i + 1], kv_in[i:i + 1], parent=hashes[i - 1] if i else None)
+    ns = m.mnt / "t" / spec.namespace
+    tiers = [os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.tier") for h in hashes]
+    assert tiers[:4] == [b"cold"] * 4, tiers
+    before = m.stats()["tenants"]["t"][spec.namespace]["promotions"]
+    with kv.KVCache.open(m.mnt, tenant="t", spec=spec) as c:
+        assert c.lookup(hashes[:4]) == 4
+        out = torch.zeros(4, *spec.block_shape, dtype=torch.float16)
+        assert c.load(hashes[:4], out) == 4 and torch.equal(out, kv_in[:4])
+        assert c.stats["remote_blocks"] == 4
+    st = m.stats()
+    assert st["tiers"][0]["hits"] == 0  # the daemon fetched none of them
+    assert st["tenants"]["t"][spec.namespace]["promotions"] - before == 4
+    assert st["used_bytes"] <= per * 6
+    hot = [h for h in hashes[:4]
+           if os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.tier") == b"hot"]
+    assert hot, "the hot copies written behind were not indexed"
+    for h in hot:
+        assert os.stat(ns / hashing.block_relpath(h)).st_blocks > 0
+    # A corrupt file in the cold tier: a miss, reported, never served.
+    cold_ones = [i for i, h in enumerate(hashes)
+                 if os.getxattr(ns / hashing.block_relpath(h), "user.kvfs.tier") == b"cold"]
+    assert cold_ones
+    i = cold_ones[0]
+    cpath = cold / "t" / spec.namespace / hashing.block_relpath(hashes[i])
+    raw = bytearray(cpath.read_bytes())
+    raw[blockfile.HEADER_SIZE + 10] ^= 0xFF
+    cpath.write_bytes(bytes(raw))
+    with kv.KVCache.open(m.mnt, tenant="t", spec=spec) as c:
+        c.lookup(hashes[i:i + 1])
+        out = torch.zeros(1, *spec.block_shape, dtype=torch.float16)
+        assert c.load(hashes[i:i + 1], out) == 0 and not out.any()
+        assert c.stats["corrupt_blocks"] == 1
