@@ -96,8 +96,7 @@ class Grants:
         while self._replies and (len(self._replies) >= MAX_REPLIES
                                  or next(iter(self._replies.values()))[0] < now):
             self._drop_fds(self._replies.popitem(last=False)[0])
-        answer = _fitting(found[:n])  # type: ignore[arg-type]
-        n = len(control.unpack_grant_reply(answer))
+        answer, n = _fitting(found[:n])  # type: ignore[arg-type]
         self._drop_fds(nonce)  # a nonce used twice: the first answer's files go
         self._replies[nonce] = (now + control.GRANT_REPLY_TTL, uid, dnode.inode, answer)
         kept = [files.pop(i) for i in range(n) if i in files]
@@ -150,20 +149,20 @@ class Grants:
             return 1
         keys = [self.tree.tier_key(join(dpath, hashing.block_relpath(hashes[i]).encode()))
                 for i in todo]
-        fds = await tiering.open_many(0, keys)
-        if fds is None:
+        opened = await tiering.open_many(0, keys)
+        if opened is None:
             return 0
-        for i, fd in zip(todo, fds, strict=True):
-            if fd is not None:
-                self._grant_fd(found, files, i, 0, fd)
+        for i, f in zip(todo, opened, strict=True):
+            if f is not None:
+                self._grant_fd(found, files, i, 0, *f)
         return 1
 
     def _grant_fd(self, found: list[control.Granted | None], files: dict[int, int], i: int,
-                  t: int, fd: int) -> None:
+                  t: int, fd: int, size: int) -> None:
         assert self.tree.tiering is not None
         self.tree.tiering.counters[t].grants += 1
         files[i] = fd
-        found[i] = control.Granted(control.GRANT_FD, t + 1, os.fstat(fd).st_size)
+        found[i] = control.Granted(control.GRANT_FD, t + 1, size)
 
     async def _one(self, dnode: Node, dpath: bytes, h: bytes,
                    found: list[control.Granted | None], i: int,
@@ -193,7 +192,7 @@ class Grants:
             # A directory tier's file, handed to the client as a descriptor (kvfs.handout).
             got = await tiering.open_many(t, [key])
             if got and got[0] is not None:
-                self._grant_fd(found, files, i, t, got[0])
+                self._grant_fd(found, files, i, t, *got[0])
             return
         # A tier the client cannot read itself: promoted here, then read hot. Run in the
         # mount's nursery, so that a spent budget leaves it to finish (placed whole or not).
@@ -230,12 +229,13 @@ class Grants:
         return got[3]
 
 
-def _fitting(entries: list[control.Granted]) -> bytes:
-    """The answer of the longest prefix of `entries` that fits one xattr (URLs carrying a
-    session token are longer: the client takes a shorter answer as the prefix's end)."""
+def _fitting(entries: list[control.Granted]) -> tuple[bytes, int]:
+    """The answer of the longest prefix of `entries` that fits one xattr, and its length
+    (URLs carrying a session token are longer: the client takes a shorter answer as the
+    prefix's end)."""
     while True:
         try:
-            return control.pack_grant_reply(entries)
+            return control.pack_grant_reply(entries), len(entries)
         except control.ControlError:
             entries = entries[:len(entries) * 3 // 4]
 

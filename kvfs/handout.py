@@ -49,7 +49,6 @@ class Handout:
         self.take = take
         self.release = release
         self.on = False
-        self.served = 0
 
     async def run(self) -> None:
         """Listen until cancelled (the mount's end); without a socket, grants promote."""
@@ -112,7 +111,6 @@ class Handout:
                                                   array.array("i", fds))])
                 else:
                     await conn.send(head)
-            self.served += len(fds)
         finally:
             for fd in fds:
                 os.close(fd)

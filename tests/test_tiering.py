@@ -96,22 +96,7 @@ def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_pa
     torch = pytest.importorskip("torch")
     import kvfs as kv
 
-    shared = tmp_path / "shared"
-    a = mount_factory("a", extra=["--shared", f"dir://{shared}"])
-    b = mount_factory("b", extra=["--shared", f"dir://{shared}"])
-    for m in (a, b):
-        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
-    spec = kv.ModelSpec(model="org/m", revision="r", kv_dtype="float16", block_size=16,
-                        num_layers=2, num_kv_heads=2, head_dim=32)
-    tokens = list(range(16 * 6))
-    kv_in = torch.randn(6, *spec.block_shape).to(torch.float16)
-    with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as ca:
-        hashes = ca.block_hashes(tokens)
-        assert ca.save(hashes, kv_in) == 6
-    last = shared / "t" / spec.namespace / hashing.block_relpath(hashes[-1])
-    deadline = time.monotonic() + 10
-    while not last.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _a, b, _shared, spec, hashes, kv_in = _saved_on_a(mount_factory, tmp_path, 6)
     with kv.KVCache.open(b.mnt, tenant="t", spec=spec) as cb:
         assert cb.tiers == ["shared"]
         calls = cb.stats["control_calls"]
@@ -331,16 +316,12 @@ def _spec():
                         num_layers=2, num_kv_heads=2, head_dim=32)
 
 
-def test_the_handout_gives_a_grants_files_to_its_asker_alone_once(mount_factory, tmp_path):
-    """The daemon is the authority over a directory tier's files: the handout socket gives
-    a grant's files to the uid that sent it, once, within its answer's TTL; a nonce never
-    granted gets nothing; the descriptors are read-only and reach those files alone."""
-    torch = pytest.importorskip("torch")
-    import kvfs as kv
-    from kvfs import control
-    from kvfs.client import handout
+def _saved_on_a(mount_factory, tmp_path, n: int):
+    """Hosts a and b sharing a directory tier, n blocks saved on a and written through:
+    (a, b, the shared directory, the spec, the hashes, the KV saved)."""
+    import torch
 
-    from .conftest import in_child
+    import kvfs as kv
 
     shared = tmp_path / "shared"
     a = mount_factory("a", extra=["--shared", f"dir://{shared}"])
@@ -348,13 +329,29 @@ def test_the_handout_gives_a_grants_files_to_its_asker_alone_once(mount_factory,
     for m in (a, b):
         kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
     spec = _spec()
+    kv_in = torch.randn(n, *spec.block_shape).to(torch.float16)
     with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as ca:
-        hashes = ca.block_hashes(list(range(16 * 3)))
-        ca.save(hashes, torch.randn(3, *spec.block_shape).to(torch.float16))
+        hashes = ca.block_hashes(list(range(16 * n)))
+        assert ca.save(hashes, kv_in) == n
     last = shared / "t" / spec.namespace / hashing.block_relpath(hashes[-1])
     deadline = time.monotonic() + 10
     while not last.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    return a, b, shared, spec, hashes, kv_in
+
+
+def test_the_handout_gives_a_grants_files_to_its_asker_alone_once(mount_factory, tmp_path):
+    """The daemon is the authority over a directory tier's files: the handout socket gives
+    a grant's files to the uid that sent it, once, within its answer's TTL; a nonce never
+    granted gets nothing; the descriptors are read-only and reach those files alone."""
+    pytest.importorskip("torch")
+    import kvfs as kv
+    from kvfs import control
+    from kvfs.client import handout
+
+    from .conftest import in_child
+
+    _a, b, shared, spec, hashes, _kv_in = _saved_on_a(mount_factory, tmp_path, 3)
     kv.KVCache.open(b.mnt, tenant="t", spec=spec).close()
     ns_b = str(b.mnt / "t" / spec.namespace)
     sock = control.socket_path(b.backing)

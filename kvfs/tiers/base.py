@@ -99,10 +99,10 @@ class Tier(ABC):
         where the tier has no such thing (a directory). Makes no request."""
         return None
 
-    def open_block(self, key: str) -> int | None:
-        """An open read-only descriptor of `key`'s file, for the daemon to hand to a client
-        it granted the block (kvfs.handout); None where the tier has no files (S3) or the
-        key is absent. The caller closes it."""
+    def open_block(self, key: str) -> tuple[int, int] | None:
+        """(an open read-only descriptor, size) of `key`'s file, for the daemon to hand to a
+        client it granted the block (kvfs.handout); None where the tier has no files (S3)
+        or the key is absent. The caller closes it."""
         return None
 
     def usage(self) -> tuple[int, int]:

@@ -117,7 +117,7 @@ class DirTier(Tier):
             if tmp is not None:
                 unlink_quietly(tmp)
 
-    def open_block(self, key: str) -> int | None:
+    def open_block(self, key: str) -> tuple[int, int] | None:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
@@ -125,8 +125,9 @@ class DirTier(Tier):
                 return None  # absent, or not a file kvfs wrote (a link)
             raise self._error("open", key, exc) from exc
         try:
-            if stat.S_ISREG(os.fstat(fd).st_mode):
-                return fd
+            st = os.fstat(fd)
+            if stat.S_ISREG(st.st_mode):
+                return fd, st.st_size
         except OSError:
             pass
         os.close(fd)

@@ -345,15 +345,16 @@ class Tiering:
             return i, size
         return None
 
-    async def open_many(self, i: int, keys: list[str]) -> list[int | None] | None:
-        """Descriptors of `keys`' files in tier `i` (None: absent), opened in one thread call
+    async def open_many(self, i: int, keys: list[str]
+                        ) -> list[tuple[int, int] | None] | None:
+        """(descriptor, size) of `keys`' files in tier `i` (None: absent), opened in one thread call
         within one lookup's deadline and the tier's circuit (a tier of files: kvfs.handout);
         None if the tier could not answer. The caller closes them; a call abandoned at its
         deadline closes its own."""
         c, breaker, tier = self.counters[i], self.breakers[i], self.tiers[i]
         lock, box = threading.Lock(), {"abandoned": False}
 
-        def opener() -> list[int | None]:
+        def opener() -> list[tuple[int, int] | None]:
             fds = []
             try:
                 for k in keys:
@@ -491,7 +492,7 @@ class Tiering:
             tier.close()
 
 
-def _close(fds: list[int | None]) -> None:
-    for fd in fds:
-        if fd is not None:
-            os.close(fd)
+def _close(files: list[tuple[int, int] | None]) -> None:
+    for f in files:
+        if f is not None:
+            os.close(f[0])
