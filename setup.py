@@ -1,9 +1,11 @@
-"""The native pieces of kvfs, both optional.
+"""The native pieces of kvfs, all optional.
 
 - kvfs._fastread, the host load path without the GIL. It builds against the xxhash header
   (Debian/Ubuntu: libxxhash-dev, installed by tools/setup.sh) with the compiler that builds
   pyfuse3; where it cannot, kvfs installs without it and loads blocks with the same reads in
   Python.
+- kvfs._codec, the lossless block codec's loops (byte planes, zstd, xxh3) without the GIL;
+  against libzstd (libzstd-dev). Without it kvfs stores blocks raw.
 - kvfs._passthrough, the FUSE passthrough fields of the replies libfuse 3.14 cannot write.
   Without it the daemon serves every byte itself (docs/architecture.md, "The mount door").
 
@@ -22,6 +24,16 @@ setup(
             # Without a compiler or the header kvfs still installs, and loads in Python
             # (slower: docs/architecture.md); tests/test_fastread.py fails where it must build.
             optional=True,
+            extra_compile_args=["-O3", "-std=c11", *WARNINGS],
+        ),
+        Extension(
+            "kvfs._codec",
+            ["kvfs/_codec.c"],
+            # The lossless block codec (kvfs/codec.py), against libzstd and the xxhash header
+            # (libzstd-dev, libxxhash-dev). Without it blocks are stored raw, and stored
+            # encoded blocks are decoded with python-zstandard (slower).
+            optional=True,
+            libraries=["zstd"],
             extra_compile_args=["-O3", "-std=c11", *WARNINGS],
         ),
         Extension(

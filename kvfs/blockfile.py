@@ -4,11 +4,15 @@ The payload starts at offset 4096 and is zero-padded to a multiple of 4096 so th
 file can be read with O_DIRECT or GPUDirect Storage. Everything here is pure: bytes in,
 bytes out. The byte layout is specified in ``docs/format.md``.
 
-Two versions are read. Version 1 records the payload's xxh3_64; version 2 records, beside
+Three versions are read. Version 1 records the payload's xxh3_64; version 2 records, beside
 it, the payload's *sums* (:func:`payload_sums`): a checksum of additions that a GPU computes
 over a block where it lands (``kvfs.devsum``, torch ops, any summation order giving the same
 value), where xxh3's sequential rounds cannot run. Writers that hold the bytes on a device
 write version 2; the reference implementation here (stdlib only) is for tests and vectors.
+Version 3 is an *encoded* block (:class:`Encoding`, ``kvfs.codec``): the header of version 1
+or 2 (sums where it had them) plus the encoding's codec, parameters, stored length and the
+stored bytes' own xxh3_64; the stored bytes follow the header in place of the payload, so a
+file's checksums cover both what is stored and what it decodes to.
 """
 
 from __future__ import annotations
@@ -30,7 +34,14 @@ MAGIC = b"KVFSBLK\x00"
 FORMAT_VERSION = 1
 #: The block file version whose header carries the payload sums too.
 SUMS_VERSION = 2
-BLOCK_VERSIONS = (FORMAT_VERSION, SUMS_VERSION)
+#: The block file version of an encoded block (a codec's stored bytes in place of the payload).
+ENCODED_VERSION = 3
+BLOCK_VERSIONS = (FORMAT_VERSION, SUMS_VERSION, ENCODED_VERSION)
+#: Codec ids (version 3). 1: byte planes, each stored as is or as zstd frames (kvfs.codec).
+CODEC_PLANES = 1
+CODECS = {CODEC_PLANES: "planes-zstd"}
+#: The largest chunk (elements per zstd frame) a version 3 header may name.
+MAX_CHUNK = 1 << 26
 MAX_NDIM = 8
 #: Payload sums: the payload as little-endian signed 32-bit words, in rows of this many words
 #: (4 KiB, a page); row and column sums are reduced modulo this prime.
@@ -60,6 +71,12 @@ _SUMS_END = _SUMS_OFF + _SUMS.size
 _ZERO8 = bytes(8)
 _RESERVED = bytes(HEADER_SIZE - _HEADER.size)  # version 1: after the fields, all zero
 _RESERVED_2 = bytes(HEADER_SIZE - _SUMS_END)  # version 2: after the sums, all zero
+# version 3, after the sums (zero where the block has none): codec id, flags, element size,
+# chunk, zero, stored length, stored checksum.
+_ENC = struct.Struct("<HHIIIQQ")
+_ENC_OFF = _SUMS_END
+_ENC_END = _ENC_OFF + _ENC.size
+_FLAG_SUMS = 1
 _U32_MASK = 2**32 - 1
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -75,6 +92,17 @@ class BlockFormatError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Encoding:
+    """How a version 3 block's payload is stored (docs/format.md, "Encodings")."""
+
+    codec: int  # one of CODECS
+    element_size: int  # bytes per element: the number of byte planes
+    chunk: int  # elements per zstd frame
+    stored_len: int  # bytes stored after the header (before the zero padding)
+    stored_checksum: int  # xxh3_64 of those bytes
 
 
 class BlockMismatchError(BlockFormatError):
@@ -96,13 +124,22 @@ class BlockHeader:
     checksum: int
     #: (word sum, row sum, column sum) of the payload (:func:`payload_sums`); None: version 1.
     sums: tuple[int, int, int] | None = None
+    #: How the payload is stored (version 3); None: as is.
+    encoding: Encoding | None = None
+
+    @property
+    def stored_len(self) -> int:
+        """Bytes after the header before the padding: the payload, or its encoding."""
+        return self.payload_len if self.encoding is None else self.encoding.stored_len
 
     @property
     def file_size(self) -> int:
-        return HEADER_SIZE + padded_size(self.payload_len)
+        return HEADER_SIZE + padded_size(self.stored_len)
 
     @property
     def version(self) -> int:
+        if self.encoding is not None:
+            return ENCODED_VERSION
         return FORMAT_VERSION if self.sums is None else SUMS_VERSION
 
 
@@ -180,6 +217,24 @@ def _validate(h: BlockHeader) -> None:
             len(h.sums) != 3 or not 0 <= h.sums[0] <= _U64_MAX
             or not all(0 <= x < SUMS_PRIME for x in h.sums[1:])):
         raise BlockFormatError("header", f"payload sums {h.sums} out of range")
+    if h.encoding is not None:
+        _validate_encoding(h.encoding, h)
+
+
+def _validate_encoding(e: Encoding, h: BlockHeader) -> None:
+    """An encoding's fields: a known codec whose planes are the dtype's bytes, and stored
+    bytes no longer than the payload (a block that does not shrink is stored as is)."""
+    if e.codec not in CODECS:
+        raise BlockFormatError("header", f"unknown codec {e.codec}")
+    if e.element_size != DTYPE_SIZES[h.dtype]:
+        raise BlockFormatError("header", f"element size {e.element_size} for {h.dtype}")
+    if not 1 <= e.chunk <= MAX_CHUNK:
+        raise BlockFormatError("header", f"chunk {e.chunk} not in 1..{MAX_CHUNK}")
+    if not 8 * e.element_size <= e.stored_len <= h.payload_len:
+        raise BlockFormatError("header", f"stored length {e.stored_len} for a "
+                               f"{h.payload_len}-byte payload")
+    if not 0 <= e.stored_checksum <= _U64_MAX:
+        raise BlockFormatError("header", f"stored checksum {e.stored_checksum} out of range")
 
 
 def make_header(
@@ -212,7 +267,8 @@ def make_header(
 
 
 def encode_header(h: BlockHeader) -> bytes:
-    """The 4096-byte header of ``h`` (version 2 if it has sums), header checksum included."""
+    """The 4096-byte header of ``h`` (version 2 if it has sums, 3 if it is encoded), header
+    checksum included."""
     _validate(h)
     buf = bytearray(HEADER_SIZE)
     _HEADER.pack_into(
@@ -222,6 +278,10 @@ def encode_header(h: BlockHeader) -> bytes:
     )  # fmt: skip
     if h.sums is not None:
         _SUMS.pack_into(buf, _SUMS_OFF, *h.sums)
+    e = h.encoding
+    if e is not None:
+        _ENC.pack_into(buf, _ENC_OFF, e.codec, _FLAG_SUMS if h.sums is not None else 0,
+                       e.element_size, e.chunk, 0, e.stored_len, e.stored_checksum)
     struct.pack_into("<Q", buf, _HCSUM_OFF, xxhash.xxh3_64_intdigest(bytes(buf)))
     return bytes(buf)
 
@@ -262,17 +322,27 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         raise BlockFormatError(
             "header-checksum", f"header checksum {hcsum:#018x}, computed {actual:#018x}"
         )
-    sums = None
+    sums = encoding = None
     reserved = _HEADER.size
     if version == SUMS_VERSION:
         sums = _SUMS.unpack_from(mv, _SUMS_OFF)
         reserved = _SUMS_END
+    elif version == ENCODED_VERSION:
+        codec, flags, k, chunk, zero, slen, scsum = _ENC.unpack_from(mv, _ENC_OFF)
+        if flags & ~_FLAG_SUMS or zero:
+            raise BlockFormatError("header", f"encoding flags {flags:#x}, reserved {zero}")
+        if flags & _FLAG_SUMS:
+            sums = _SUMS.unpack_from(mv, _SUMS_OFF)
+        elif mv[_SUMS_OFF:_SUMS_END].tobytes() != bytes(_SUMS.size):
+            raise BlockFormatError("header", "payload sums set but not flagged")
+        encoding = Encoding(codec, k, chunk, slen, scsum)
+        reserved = _ENC_END
     if mv[reserved:HEADER_SIZE].tobytes() != bytes(HEADER_SIZE - reserved):
         raise BlockFormatError("header", f"reserved bytes {reserved}..{HEADER_SIZE} not zero")
     if sums is not None and not all(x < SUMS_PRIME for x in sums[1:]):
         raise BlockFormatError("header", f"payload sums {sums} out of range")
     h = BlockHeader(bhash, phash, fp, tokens, name.decode(), tuple(shape8[:ndim]), plen, csum,
-                    sums)
+                    sums, encoding)
     _validate(h)
     return h
 
@@ -416,22 +486,40 @@ def verify_file_size(h: BlockHeader, size: int) -> None:
 def verify_padding(h: BlockHeader, tail: object) -> None:
     """Check the bytes after the payload (up to the end of the file) are all zero."""
     mv = _view(tail)
-    expected = padded_size(h.payload_len) - h.payload_len
+    expected = padded_size(h.stored_len) - h.stored_len
     if mv.nbytes != expected:
         raise BlockFormatError("padding", f"padding is {mv.nbytes} bytes, expected {expected}")
     if mv.nbytes and bytes(mv).count(0) != mv.nbytes:
         raise BlockFormatError("padding", "nonzero bytes in the padding after the payload")
 
 
+def verify_stored(h: BlockHeader, stored: object) -> None:
+    """Check a version 3 block's stored bytes (length, checksum) against its header."""
+    assert h.encoding is not None
+    mv = _view(stored)
+    if mv.nbytes != h.encoding.stored_len:
+        raise BlockFormatError("length", f"stored bytes are {mv.nbytes}, header says "
+                               f"{h.encoding.stored_len}")
+    actual = xxhash.xxh3_64_intdigest(mv)
+    if actual != h.encoding.stored_checksum:
+        raise BlockFormatError("checksum", f"stored checksum {actual:#018x}, header says "
+                               f"{h.encoding.stored_checksum:#018x}")
+
+
 def decode(data: bytes | bytearray | memoryview, *, sums: bool = False
            ) -> tuple[BlockHeader, memoryview]:
-    """Parse a whole block file; returns the header and a view of the payload. ``sums``:
-    check a version 2 payload's sums too, after its xxh3 (slow: the reference code)."""
+    """Parse a whole block file; returns the header and a view of the payload (a version 3
+    block's decoded into new memory, both its checksums checked). ``sums``: check a
+    version 2 payload's sums too, after its xxh3 (slow: the reference code)."""
     mv = _view(data)
     h = decode_header(mv)
     verify_file_size(h, mv.nbytes)
-    end = HEADER_SIZE + h.payload_len
+    end = HEADER_SIZE + h.stored_len
     payload = mv[HEADER_SIZE:end]
+    if h.encoding is not None:
+        from . import codec  # the codec needs this module's types: imported when used
+        verify_padding(h, mv[end:])
+        payload = memoryview(codec.decode_payload(h, payload))
     verify_payload(h, payload)
     if sums:
         verify_sums(h, payload)

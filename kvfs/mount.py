@@ -58,6 +58,7 @@ class MountOptions:
     write_through: bool = DEFAULTS["write_through"]
     fetch_timeout: float | None = DEFAULTS["fetch_timeout"]
     tier_cooldown: float = DEFAULTS["tier_cooldown"]
+    tier_codec: str = DEFAULTS["tier_codec"]
     metrics: str | None = DEFAULTS["metrics"]
     audit: str | None = DEFAULTS["audit"]
     writeback_cache: bool = DEFAULTS["writeback_cache"]
@@ -174,7 +175,8 @@ def make_tiering(opts: MountOptions) -> Tiering | None:
     if not tiers:
         return None
     return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
-                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown)
+                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
+                   encode=opts.tier_codec == "planes")
 
 
 def mount_options(debug: bool) -> set[str]:

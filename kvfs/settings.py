@@ -162,6 +162,9 @@ SETTINGS: tuple[Setting, ...] = (
             "(asynchronously), not only on eviction"),
     Setting("fetch_timeout", "float", None, "seconds a lower-tier fetch may take before it is "
             "a miss", check=_positive, shown="from block size"),
+    Setting("tier_codec", "str", "planes", "how blocks are stored in the cold and shared "
+            "tiers: `planes` (lossless: byte planes, zstd where it pays; docs/format.md, "
+            "\"Encodings\") or `none` (as saved)", choices=("planes", "none")),
     Setting("tier_cooldown", "float", 10.0, "seconds a failing tier is left alone (circuit "
             "open)", check=_not_negative),
     Setting("metrics", "str", None, "`HOST:PORT` of the Prometheus endpoint"),

@@ -139,9 +139,11 @@ def test_magic() -> None:
 
 
 def test_version() -> None:
-    err = expect("version", patch(GOOD, 8, struct.pack("<I", 3)))
-    assert "3" in str(err)
+    err = expect("version", patch(GOOD, 8, struct.pack("<I", 4)))
+    assert "4" in str(err)
     expect("version", patch(GOOD, 8, struct.pack("<I", 0)))
+    # Version 3 (encoded) with no encoding fields: no codec 0.
+    expect("header", patch(GOOD, 8, struct.pack("<I", 3)))
     # Version 2 (payload sums) with the sums left zero: a wrong version-2 header, never a
     # version-1 one (its sums are checked where a reader checks them).
     with pytest.raises(BlockFormatError, match="checksum"):

@@ -189,8 +189,12 @@ def test_version_2_headers_are_checked_as_strictly():
     with pytest.raises(bf.BlockFormatError, match="reserved"):
         bf.decode(reserved)
     assert check.payload_checksum(bytearray(reserved[:4096]), ARGS["block_hash"]) is None
-    v3 = resealed(bytearray(data[:8]) + struct.pack("<I", 3) + data[12:])
+    v4 = resealed(bytearray(data[:8]) + struct.pack("<I", 4) + data[12:])
     with pytest.raises(bf.BlockFormatError, match="version"):
+        bf.decode(v4)
+    # Version 3 (encoded) needs its encoding fields, and sums it does not flag are refused.
+    v3 = resealed(bytearray(data[:8]) + struct.pack("<I", 3) + data[12:])
+    with pytest.raises(bf.BlockFormatError, match="not flagged"):
         bf.decode(v3)
 
 

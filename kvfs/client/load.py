@@ -28,7 +28,7 @@ import torch
 
 from .. import blockfile, control, devsum
 from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
-from . import leases, remote
+from . import encoded, leases, remote
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
 
@@ -66,6 +66,8 @@ class _Opened:
     file: OpenBlock | None
     header: blockfile.BlockHeader | None
     outcome: _Outcome
+    #: An encoded block, decoded whole into its destination when it was opened.
+    decoded: bool = False
 
 
 class _Prefix:
@@ -403,7 +405,10 @@ class Loading(Layouts):
             return _Outcome(error=exc)
         out = _Outcome(read=min(total, self._file_bytes))
         try:
-            self._verify_read(h, header, total, csum)
+            if encoded.is_encoded(header):
+                encoded.decode_landed(self._verify_header(h, header), views, total)
+            else:
+                self._verify_read(h, header, total, csum)
             out.ok = True
         except blockfile.BlockFormatError as exc:
             prefix.fail(i)
@@ -426,17 +431,31 @@ class Loading(Layouts):
         self._on_threads(reads.run, n)
         prefix = _Prefix(n, leased)
         outcomes: list[_Outcome | None] = []
+        again: list[int] = []  # read again in Python: the first not accepted, and after it
         for i, (status, total, err) in enumerate(reads.results()):
             o: _Outcome | None = None
-            if status == _fastread.ST_OK:
+            if again or status == _fastread.ST_RECHECK:
+                # The reason, or sound after all (an encoded block, decoded); the blocks
+                # after it were not read.
+                again.append(i)
+            elif status == _fastread.ST_OK:
                 o = _Outcome(read=min(total, self._file_bytes), ok=True)
             elif status == _fastread.ST_ABSENT:
                 o = _Outcome()
             elif status == _fastread.ST_OSERROR:
                 o = _Outcome(error=OSError(err, os.strerror(err), self.path(hashes[i])))
-            elif status == _fastread.ST_RECHECK:  # the reason, or sound after all
-                o = self._read_host(i, hashes[i], views_of(i), prefix, self._scratch())
             outcomes.append(o)
+        if again:
+            todo = iter(again)
+
+            def work() -> None:
+                scratch = self._scratch()
+                for i in todo:
+                    if i <= prefix.end:
+                        outcomes[i] = self._read_host(i, hashes[i], views_of(i), prefix,
+                                                      scratch)
+
+            self._on_threads(work, len(again))
         return outcomes
 
     def _verify_on_device(self, outcomes: Sequence[_Outcome | None],
@@ -502,7 +521,10 @@ class Loading(Layouts):
                 out.ok = True
                 return out
         try:
-            self._verify_read(h, header, total, csum)  # raises, saying why
+            if encoded.is_encoded(header):  # a lower tier's (encoded) file: decoded in place
+                encoded.decode_landed(self._verify_header(h, header), views, total)
+            else:
+                self._verify_read(h, header, total, csum)  # raises, saying why
             out.ok = True
         except blockfile.BlockFormatError as exc:
             prefix.fail(i)
@@ -525,6 +547,10 @@ class Loading(Layouts):
                                               want_checksum=checksummed and not on_device)
                 size = self.transport.size(f) if n >= self._file_bytes else n
                 out.read = n
+                if encoded.is_encoded(header):  # decoded on the host, then copied
+                    out.read = encoded.decode_fd(f.fd, self._verify_header(h, header), dests)
+                    out.ok = True
+                    return out
                 self._verify_read(h, header, size, csum)  # all but the payload if on_device
                 if on_device:
                     out.sums = blockfile.HeaderCheck.sums(header)
@@ -581,8 +607,10 @@ class Loading(Layouts):
         blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint,
                         dtype=self.spec.kv_dtype, shape=self._shape)
 
-    def _open_verified(self, i: int, h: bytes, prefix: _Prefix) -> _Opened:
-        """Open block i and check its header: the first step of a layer-wise load."""
+    def _open_verified(self, i: int, h: bytes, prefix: _Prefix,
+                       dest: torch.Tensor | None = None) -> _Opened:
+        """Open block i and check its header: the first step of a layer-wise load. An
+        encoded block (a lower tier's file) is decoded whole into ``dest`` here."""
         out = _Outcome()
         try:
             f = self.transport.open(self._where(h, prefix))
@@ -595,6 +623,11 @@ class Loading(Layouts):
             out.read = preadv_all(f.fd, [memoryview(header)], 0)
             hdr = blockfile.check_head(header, self.transport.size(f))
             self._check_spec(h, hdr)
+            if hdr.encoding is not None and dest is not None:
+                out.read = encoded.decode_fd(f.fd, hdr, [dest.reshape(-1)])
+                return _Opened(f, hdr, out, decoded=True)
+            if hdr.encoding is not None:
+                raise blockfile.BlockFormatError("codec", "an encoded block, not decodable here")
         except (OSError, blockfile.BlockFormatError) as exc:
             self.transport.close(f)
             prefix.fail(i)
@@ -618,17 +651,21 @@ class Loading(Layouts):
 
     def _load_layers(self, hashes: list[bytes], blocks: torch.Tensor, handle: LoadHandle,
                      prefix: _Prefix) -> int:
-        opened = [f.result() for f in [self._pool.submit(self._open_verified, i, h, prefix)
+        opened = [f.result() for f in [self._pool.submit(self._open_verified, i, h, prefix,
+                                                         blocks[i])
                                        for i, h in enumerate(hashes)]]
         outcomes = [o.outcome for o in opened]
         n = next((i for i, o in enumerate(opened) if o.file is None), len(opened))
         try:
             lb = self._layer_bytes
-            reads = [[self._pool.submit(self.transport.read, opened[i].file,
+            reads = [[None if opened[i].decoded else
+                      self._pool.submit(self.transport.read, opened[i].file,
                                         blockfile.HEADER_SIZE + layer * lb, [blocks[i, layer]])
                       for i in range(n)] for layer in range(self.spec.num_layers)]
             for layer, futures in enumerate(reads):
                 for i, fut in enumerate(futures):
+                    if fut is None:  # decoded whole when opened (and checked)
+                        continue
                     try:
                         got, _ = fut.result()
                         outcomes[i].read += got
@@ -639,7 +676,8 @@ class Loading(Layouts):
                             outcomes[i].error = exc
                         n = min(n, i)
                 handle._layer_ready(layer, n)
-            checked = [i for i in range(n) if self._checksummed(hashes[i])]
+            checked = [i for i in range(n)
+                       if self._checksummed(hashes[i]) and not opened[i].decoded]
             # Version 2 blocks in memory the host does not read: their sums, on the device.
             on_device = self.transport.device_verifies(blocks)
             device = [i for i in checked if on_device and _has_sums(opened[i])]

@@ -18,6 +18,11 @@ The tiers themselves (`kvfs.tiers.dir`, `kvfs.tiers.s3`) are blocking stores; th
 - `enqueue_upload(key, rel)`: write-through publishing to the shared tiers, asynchronous:
   a bounded queue drained by a few uploader tasks; a full queue drops (counted), failures are
   retried a few times with backoff and then dropped. A save never waits for it.
+
+Blocks go below encoded (`kvfs.codec`, the mount's `--tier-codec`, lossless by default): the
+worker thread that reads the hot copy encodes it, and a fetch decodes it (both checksums
+checked) before the hot copy is placed, so the hot tier holds blocks as they were saved.
+Each tier counts the raw and the stored bytes it was given (its ratio).
 """
 
 from __future__ import annotations
@@ -28,12 +33,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import trio
 
-from .. import blockfile, hashing
+from .. import blockfile, codec, hashing
 from .base import Tier, TierError
 from .breaker import Breaker, fetch_deadline
 
@@ -61,7 +66,9 @@ class TierCounters:
     uploads: int = 0
     upload_failures: int = 0
     uploads_dropped: int = 0
-    fetched_bytes: int = 0
+    fetched_bytes: int = 0  # stored bytes fetched (encoded, where the tier's blocks are)
+    put_raw_bytes: int = 0  # bytes of the blocks put here (demoted, uploaded), as saved
+    put_stored_bytes: int = 0  # what they took here (encoded where that paid)
     grants: int = 0  # blocks a client was given a URL to read from this tier itself
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
 
@@ -80,7 +87,8 @@ class _Refused(Exception):
 class Fetched:
     tier: int  # 1-based index of the tier that had it
     header: blockfile.BlockHeader
-    size: int
+    size: int  # of the hot copy (the block as saved)
+    moved: int = 0  # bytes fetched from the tier (its stored, maybe encoded, file)
 
 
 class _Handoff:
@@ -133,28 +141,46 @@ class Destination(Protocol):
     def place(self, tmp: str) -> None: ...
 
 
-def _put(tier: Tier, key: str, src: Source) -> bool:
-    """Thread: read the source (if it is a reader) and put it."""
-    if callable(src):
+def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, int]:
+    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays)
+    and put it: (written, raw bytes, stored bytes)."""
+    if callable(src) or encode:
         try:
-            src = src()
+            if callable(src):
+                src = src()
+            else:
+                with open(src, "rb") as f:
+                    src = f.read()
+            raw = len(src)
+            if encode:
+                src = codec.encode_file(src) or src
         except FileNotFoundError:
             raise  # evicted or removed meanwhile
         except (OSError, blockfile.BlockFormatError) as exc:
             raise SourceError(str(exc)) from exc
-    return tier.put(key, src)
+        return tier.put(key, src), raw, len(src)
+    raw = os.stat(src).st_size
+    return tier.put(key, src), raw, raw
 
 
 def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int]) -> Fetched:
-    """Thread: check a fetched temporary, ready to be renamed into its hot path."""
+    """Thread: check a fetched temporary, ready to be renamed into its hot path; an encoded
+    block is decoded into it (the hot tier holds blocks as saved)."""
     with open(tmp, "rb") as f:
         data = f.read()
-    hdr, _ = blockfile.decode(data)  # header, size, checksum, padding
+    hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
     blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
+    moved = len(data)
+    if hdr.encoding is not None:
+        data = codec.raw_file(hdr, payload)
+        hdr = replace(hdr, encoding=None)
+        with open(tmp, "r+b") as f:
+            f.write(data)
+            f.truncate()
     uid, gid, mode = owner
     os.chown(tmp, uid, gid)
     os.chmod(tmp, mode)
-    return Fetched(0, hdr, len(data))
+    return Fetched(0, hdr, len(data), moved)
 
 
 class Tiering:
@@ -162,8 +188,11 @@ class Tiering:
 
     def __init__(self, tiers: list[Tier], limiter: trio.CapacityLimiter, *,
                  write_through: bool = True, fetch_timeout: float | None = None,
-                 breaker_threshold: int = 3, breaker_cooldown: float = 10.0) -> None:
+                 breaker_threshold: int = 3, breaker_cooldown: float = 10.0,
+                 encode: bool = True) -> None:
         self.tiers = tiers
+        #: Blocks put below are encoded where that pays (kvfs.codec; and it is built).
+        self.encode = encode and codec.available()
         self.limiter = limiter
         self.write_through = write_through
         self.fetch_timeout = fetch_timeout
@@ -300,7 +329,7 @@ class Tiering:
                 c.misses += 1
                 continue
             c.hits += 1
-            c.fetched_bytes += got.size
+            c.fetched_bytes += got.moved
             got.tier = i + 1
             return got
         return None
@@ -410,8 +439,8 @@ class Tiering:
             c.demotion_failures += 1
             return 0
         try:
-            done, _ = await self._call(0, _put, self.tiers[0], key, path,
-                                       timeout=self.deadline(size) * 4)
+            done, put = await self._call(0, _put, self.tiers[0], key, path, self.encode,
+                                         timeout=self.deadline(size) * 4)
         except SourceError as exc:
             c.demotion_failures += 1
             log.warning("demote %s: the hot copy is not a block: %s", key, exc)
@@ -427,6 +456,7 @@ class Tiering:
             return 0
         breaker.success()
         c.demotions += 1
+        self._count_put(c, put)
         return 1
 
     def enqueue_upload(self, key: str, path: Source) -> None:
@@ -446,8 +476,8 @@ class Tiering:
                     await trio.sleep(breaker.cooldown / 2 + attempt)
                     continue
                 try:
-                    done, _ = await self._call(i, _put, self.tiers[i], key, path,
-                                               timeout=self.deadline(None) * 4)
+                    done, put = await self._call(i, _put, self.tiers[i], key, path,
+                                                 self.encode, timeout=self.deadline(None) * 4)
                 except FileNotFoundError:
                     break  # evicted or removed before it was uploaded: nothing to publish
                 except SourceError as exc:
@@ -462,10 +492,18 @@ class Tiering:
                 if done:
                     breaker.success()
                     c.uploads += 1
+                    self._count_put(c, put)
                     break
                 breaker.failure()
             else:
                 c.upload_failures += 1
+
+    @staticmethod
+    def _count_put(c: TierCounters, put: tuple[bool, int, int]) -> None:
+        wrote, raw, stored = put
+        if wrote:
+            c.put_raw_bytes += raw
+            c.put_stored_bytes += stored
 
     async def delete(self, key: str, shared: bool = True) -> None:
         """Best effort: remove a block from the lower tiers (with `shared`, from the tiers
@@ -482,6 +520,8 @@ class Tiering:
         for tier, c, b in zip(self.tiers, self.counters, self.breakers, strict=True):
             d = {k: v for k, v in c.__dict__.items() if k != "latency"}
             d.update(name=tier.name, url=tier.url, circuit=b.state,
+                     codec="planes" if self.encode else "none",
+                     ratio=codec.ratio(c.put_raw_bytes, c.put_stored_bytes),
                      fetch_latency={("+Inf" if math.isinf(le) else str(le)): n
                                     for le, n in zip(LATENCY_BUCKETS, c.latency, strict=True)})
             out.append(d)

@@ -1,0 +1,327 @@
+/*
+ * kvfs._codec: the lossless block codec's inner loops, without the GIL (kvfs/codec.py).
+ *
+ * "planes": a payload of k-byte elements (k = 2 for bfloat16/float16) is stored as k byte
+ * planes (plane p holds byte p of every element), in chunks of CHUNK elements. A plane is
+ * either stored as is or as a run of standard zstd frames, one frame per chunk (nvCOMP and
+ * any zstd library read them). The high byte of a 16-bit float (sign, exponent) compresses
+ * well; its low byte (mantissa) barely does and is usually kept as is.
+ *
+ * Stored bytes (docs/format.md, "Encodings"): k little-endian u64 plane words, then the
+ * planes back to back. A plane word's bit 63 says the plane is zstd frames; its low 48 bits
+ * are the plane's stored length.
+ *
+ * decode() works chunk by chunk: each plane's chunk lands in a small scratch (cache-resident),
+ * the chunk is interleaved into the destination and hashed (xxh3_64) right there, so the
+ * destination is written once and the decoded payload's checksum costs no second pass.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+#include <zstd.h>
+
+#define MAX_PLANES 8
+#define ZSTD_BIT (1ULL << 63)
+#define LEN_MASK ((1ULL << 48) - 1)
+
+static void split(const uint8_t *src, size_t elems, int k, uint8_t **planes) {
+    if (k == 2) {
+        uint8_t *a = planes[0], *b = planes[1];
+        for (size_t i = 0; i < elems; i++) {
+            a[i] = src[2 * i];
+            b[i] = src[2 * i + 1];
+        }
+        return;
+    }
+    for (size_t i = 0; i < elems; i++)
+        for (int p = 0; p < k; p++) planes[p][i] = src[(size_t)k * i + p];
+}
+
+static void merge(uint8_t *dst, size_t elems, int k, const uint8_t *const *planes) {
+    if (k == 2) {
+        const uint8_t *a = planes[0], *b = planes[1];
+        for (size_t i = 0; i < elems; i++) {
+            dst[2 * i] = a[i];
+            dst[2 * i + 1] = b[i];
+        }
+        return;
+    }
+    for (size_t i = 0; i < elems; i++)
+        for (int p = 0; p < k; p++) dst[(size_t)k * i + p] = planes[p][i];
+}
+
+static void put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+/* encode(payload, k, chunk, level, keep) -> bytes | None
+ * None: the payload does not shrink below keep (a fraction, e.g. 0.95) of its size. A plane is
+ * stored compressed only where that makes it smaller than keep of its raw length. */
+static PyObject *encode(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int k, level;
+    Py_ssize_t chunk;
+    double keep;
+    if (!PyArg_ParseTuple(args, "y*inid", &src, &k, &chunk, &level, &keep)) return NULL;
+    PyObject *result = NULL;
+    uint8_t *work = NULL;
+    if (k < 1 || k > MAX_PLANES || chunk < 1 || src.len % k) {
+        PyErr_SetString(PyExc_ValueError, "payload is not whole elements of 1..8 bytes");
+        goto out;
+    }
+    size_t n = (size_t)src.len, elems = n / (size_t)k, nchunks = (elems + chunk - 1) / chunk;
+    size_t bound = nchunks * ZSTD_compressBound((size_t)chunk);
+    /* raw planes (n bytes), then one compressed area per plane */
+    work = malloc(n + (size_t)k * bound + 1);
+    if (!work) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    uint8_t *planes[MAX_PLANES], *zbuf[MAX_PLANES];
+    size_t zlen[MAX_PLANES], stored = 8 * (size_t)k;
+    int compressed[MAX_PLANES];
+    for (int p = 0; p < k; p++) {
+        planes[p] = work + (size_t)p * elems;
+        zbuf[p] = work + n + (size_t)p * bound;
+    }
+    int failed = 0;
+    Py_BEGIN_ALLOW_THREADS
+    split(src.buf, elems, k, planes);
+    ZSTD_CCtx *cctx = ZSTD_createCCtx();
+    if (!cctx) failed = 1;
+    else {
+        ZSTD_CCtx_setParameter(cctx, ZSTD_c_compressionLevel, level);
+        /* Matches of 7+ bytes only: the planes are mostly literals for Huffman coding, which
+         * decodes faster than short matches interleaved with literals (docs/format.md). */
+        ZSTD_CCtx_setParameter(cctx, ZSTD_c_minMatch, 7);
+    }
+    for (int p = 0; p < k && !failed; p++) {
+        size_t off = 0;
+        for (size_t c = 0; c < nchunks; c++) {
+            size_t first = c * (size_t)chunk, len = elems - first < (size_t)chunk ? elems - first : (size_t)chunk;
+            size_t r = ZSTD_compress2(cctx, zbuf[p] + off, bound - off, planes[p] + first, len);
+            if (ZSTD_isError(r)) {
+                failed = 1;
+                break;
+            }
+            off += r;
+        }
+        zlen[p] = off;
+        compressed[p] = (double)off < keep * (double)elems;
+        stored += compressed[p] ? off : elems;
+    }
+    ZSTD_freeCCtx(cctx);
+    Py_END_ALLOW_THREADS
+    if (failed) {
+        PyErr_SetString(PyExc_RuntimeError, "zstd compression failed");
+        goto out;
+    }
+    if ((double)stored >= keep * (double)n) {
+        result = Py_None;
+        Py_INCREF(result);
+        goto out;
+    }
+    result = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)stored);
+    if (!result) goto out;
+    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(result);
+    size_t at = 8 * (size_t)k;
+    for (int p = 0; p < k; p++) {
+        size_t len = compressed[p] ? zlen[p] : elems;
+        put_u64(o + 8 * p, (compressed[p] ? ZSTD_BIT : 0) | len);
+        memcpy(o + at, compressed[p] ? zbuf[p] : planes[p], len);
+        at += len;
+    }
+out:
+    free(work);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+/* The decoder's verdicts: 0 sound, else a reason for kvfs.codec. */
+enum { OK = 0, BAD_TABLE = 1, BAD_FRAME = 2, BAD_LENGTH = 3, NO_MEMORY = 4 };
+
+/* The destination: one buffer, or parts filled in order (a block's pages or layers). */
+typedef struct {
+    int nparts;
+    uint8_t **buf;
+    size_t *len;
+    int part;   /* the part being filled */
+    size_t off; /* bytes of it filled */
+} Dest;
+
+static void dest_write(Dest *d, const uint8_t *src, size_t n) {
+    while (n) {
+        size_t room = d->len[d->part] - d->off, m = n < room ? n : room;
+        memcpy(d->buf[d->part] + d->off, src, m);
+        src += m;
+        n -= m;
+        d->off += m;
+        if (d->off == d->len[d->part] && d->part + 1 < d->nparts) {
+            d->part++;
+            d->off = 0;
+        }
+    }
+}
+
+static int run_decode(const uint8_t *s, size_t slen, int k, size_t chunk, Dest *dest,
+                      size_t n, uint64_t *digest) {
+    uint8_t *dst = dest->nparts == 1 ? dest->buf[0] : NULL;
+    size_t elems = n / (size_t)k;
+    if (n % (size_t)k || slen < 8 * (size_t)k) return BAD_TABLE;
+    const uint8_t *pos[MAX_PLANES], *end[MAX_PLANES];
+    int z[MAX_PLANES];
+    size_t at = 8 * (size_t)k;
+    for (int p = 0; p < k; p++) {
+        uint64_t w = get_u64(s + 8 * p), len = w & LEN_MASK;
+        if ((w & ~(ZSTD_BIT | LEN_MASK)) || len > slen - at) return BAD_TABLE;
+        z[p] = (w & ZSTD_BIT) != 0;
+        if (!z[p] && len != elems) return BAD_TABLE;
+        pos[p] = s + at;
+        end[p] = s + at + len;
+        at += len;
+    }
+    if (at != slen) return BAD_TABLE;
+    /* per plane one chunk, and (several parts) one merged chunk */
+    uint8_t *scratch = malloc((size_t)k * chunk * (dst ? 1 : 2) + 1);
+    ZSTD_DCtx *dctx = ZSTD_createDCtx();
+    XXH3_state_t *xs = XXH3_createState();
+    int rc = OK;
+    if (!scratch || !dctx || !xs) {
+        rc = NO_MEMORY;
+        goto done;
+    }
+    XXH3_64bits_reset(xs);
+    for (size_t first = 0; first < elems; first += chunk) {
+        size_t len = elems - first < chunk ? elems - first : chunk;
+        const uint8_t *src[MAX_PLANES];
+        for (int p = 0; p < k; p++) {
+            if (!z[p]) {
+                src[p] = pos[p] + first;
+                continue;
+            }
+            size_t fl = ZSTD_findFrameCompressedSize(pos[p], (size_t)(end[p] - pos[p]));
+            if (ZSTD_isError(fl)) {
+                rc = BAD_FRAME;
+                goto done;
+            }
+            uint8_t *into = scratch + (size_t)p * chunk;
+            size_t got = ZSTD_decompressDCtx(dctx, into, chunk, pos[p], fl);
+            if (ZSTD_isError(got)) {
+                rc = BAD_FRAME;
+                goto done;
+            }
+            if (got != len) {
+                rc = BAD_LENGTH;
+                goto done;
+            }
+            pos[p] += fl;
+            src[p] = into;
+        }
+        uint8_t *out = dst ? dst + first * (size_t)k : scratch + (size_t)k * chunk;
+        merge(out, len, k, src);
+        XXH3_64bits_update(xs, out, len * (size_t)k);
+        if (!dst) dest_write(dest, out, len * (size_t)k);
+    }
+    for (int p = 0; p < k; p++)
+        if (z[p] && pos[p] != end[p]) rc = BAD_LENGTH;
+    *digest = XXH3_64bits_digest(xs);
+done:
+    free(scratch);
+    ZSTD_freeDCtx(dctx);
+    XXH3_freeState(xs);
+    return rc;
+}
+
+/* decode(stored, k, chunk, dest) -> (verdict, xxh3_64 of what was written to dest)
+ * dest: a writable buffer, or a list or tuple of them filled in order, exactly the decoded
+ * payload's size in all; on a verdict other than 0 its bytes are undefined (the caller reports
+ * a miss and never serves them). */
+static PyObject *decode(PyObject *self, PyObject *args) {
+    Py_buffer s;
+    PyObject *target;
+    int k;
+    Py_ssize_t chunk;
+    if (!PyArg_ParseTuple(args, "y*inO", &s, &k, &chunk, &target)) return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    Py_buffer *views = NULL;
+    uint8_t **bufs = NULL;
+    size_t *lens = NULL, total = 0;
+    int held = 0, nparts = 1;
+    if (k < 1 || k > MAX_PLANES || chunk < 1) {
+        PyErr_SetString(PyExc_ValueError, "element size must be 1..8 and chunk positive");
+        goto out;
+    }
+    if (PyList_Check(target) || PyTuple_Check(target)) {
+        seq = PySequence_Fast(target, "dest");
+        if (!seq) goto out;
+        nparts = (int)PySequence_Fast_GET_SIZE(seq);
+        if (nparts < 1) {
+            PyErr_SetString(PyExc_ValueError, "dest has no parts");
+            goto out;
+        }
+    }
+    views = calloc((size_t)nparts, sizeof *views);
+    bufs = calloc((size_t)nparts, sizeof *bufs);
+    lens = calloc((size_t)nparts, sizeof *lens);
+    if (!views || !bufs || !lens) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; held < nparts; held++) {
+        PyObject *o = seq ? PySequence_Fast_GET_ITEM(seq, held) : target;
+        if (PyObject_GetBuffer(o, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto out;
+        bufs[held] = views[held].buf;
+        lens[held] = (size_t)views[held].len;
+        total += lens[held];
+    }
+    {
+        Dest d = {nparts, bufs, lens, 0, 0};
+        uint64_t digest = 0;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_decode(s.buf, (size_t)s.len, k, (size_t)chunk, &d, total, &digest);
+        Py_END_ALLOW_THREADS
+        if (rc == NO_MEMORY) PyErr_NoMemory();
+        else result = Py_BuildValue("iK", rc, (unsigned long long)digest);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(bufs);
+    free(lens);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&s);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", encode, METH_VARARGS,
+     "encode(payload, k, chunk, level, keep) -> stored bytes, or None where it does not pay."},
+    {"decode", decode, METH_VARARGS,
+     "decode(stored, k, chunk, dest) -> (verdict, xxh3_64 of dest); verdict 0 is sound."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvfs._codec", NULL, -1, methods};
+
+PyMODINIT_FUNC PyInit__codec(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m && PyModule_AddStringConstant(m, "zstd_version", ZSTD_versionString()) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
