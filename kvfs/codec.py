@@ -5,9 +5,10 @@ elements is split into k byte planes; each plane is stored as is or, where that 
 smaller, as a run of standard zstd frames (one per :data:`CHUNK` elements, level
 :data:`LEVEL`). For 16-bit KV (bfloat16, float16) the high byte (sign, exponent) takes a few
 dozen values and compresses to ~3 bits; the low byte is close to random and is kept as is.
-A block that does not shrink below :data:`KEEP` of its size is stored as is (format
-versions 1 and 2); one that does becomes a version 3 file whose header keeps every field of
-the block's own header, so decoding gives back the original file byte for byte.
+A block whose file does not shrink below :data:`KEEP` of its size (stored bytes are padded
+to a page, as a payload is) is stored as is (format versions 1 and 2); one that does becomes a
+version 3 file whose header keeps every field of the block's own header, so decoding gives
+back the original file byte for byte.
 
 Both checksums are checked on every decode: the stored bytes' before they are decoded (a
 torn or corrupt object never reaches the decoder), the decoded payload's as it is written
@@ -76,7 +77,9 @@ def encode_file(data: Any, *, level: int = LEVEL, keep: float = KEEP) -> bytes |
         return None
     k = blockfile.DTYPE_SIZES[h.dtype]
     stored = encode_payload(payload, k, level=level, keep=keep)
-    if stored is None:
+    # What counts is the file: stored bytes are padded to a page as a payload is.
+    if stored is None or (blockfile.padded_size(len(stored))
+                          >= keep * blockfile.padded_size(h.payload_len)):
         return None
     enc = Encoding(blockfile.CODEC_PLANES, k, CHUNK, len(stored),
                    xxhash.xxh3_64_intdigest(stored))

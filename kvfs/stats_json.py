@@ -13,7 +13,7 @@ import stat
 import time
 from typing import Any
 
-from . import __version__
+from . import __version__, codec
 from .adoption import Adoption
 from .handlers import REQUESTS
 from .tree import Tree
@@ -39,7 +39,7 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
         # cold: cached, known to the index only, evicted first.
         "policy": {"name": info.policy, "entries_limit": info.policy_entries,
                    "entries": tree.residency.entries()},
-        "tenants": stats.render(names, tenants),
+        "tenants": _below(tree, stats.render(names, tenants)),
         "tiers": _tiers(tree),
         # Whether the kernel reads and writes open files itself (kvfs.passthrough), and why not.
         "passthrough": tree.passthrough.snapshot(),
@@ -49,6 +49,18 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
         "indexing": {"directories_left": len(adoption.unlisted),
                      "entries_indexed": adoption.reconciler.report.entries},
     }
+
+
+def _below(tree: Tree, rendered: dict[str, Any]) -> dict[str, Any]:
+    """Each namespace's bytes put below hot since the mount, as saved and as stored
+    (kvfs.codec), and their ratio."""
+    if tree.tiering is not None:
+        for (tenant, ns), (raw, stored) in tree.tiering.ns_bytes.items():
+            c = rendered.get(tenant, {}).get(ns)
+            if c is not None:
+                c.update(below_raw_bytes=raw, below_stored_bytes=stored,
+                         below_ratio=codec.ratio(raw, stored))
+    return rendered
 
 
 def _tiers(tree: Tree) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from .s3server import s3  # noqa: F401 - the fixture
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
+from kvfs import codec  # noqa: E402
 
 SPEC = kv.ModelSpec(model="org/shared", revision="r", kv_dtype="float16", block_size=16,
                     num_layers=2, num_kv_heads=2, head_dim=64)
@@ -78,6 +79,8 @@ def test_a_context_saved_on_one_host_loads_on_another(mount_factory, s3):  # noq
     ns_b = b.mnt / "t" / SPEC.namespace
     assert all(os.getxattr(ns_b / kv.hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
                for h in hashes)
+    # (These float16 blocks are stored as saved: encoded, they would not take a page less.)
+    assert a.stats()["tiers"][0]["ratio"] == 1.0
     again: dict = {}
     got, out, _ = load(b, hashes, kv_in, again)  # now from b's hot tier
     assert got == 8 and torch.equal(out, kv_in) and again["remote_blocks"] == 0
@@ -225,3 +228,42 @@ def test_a_hung_store_costs_misses_and_hits_return_after_it(mount_factory, s3): 
         assert time.monotonic() - back < 8, (got, b.stats()["tiers"][0])
         time.sleep(0.2)
     assert torch.equal(out, kv_in)
+
+
+@pytest.mark.skipif(not codec.available(), reason="kvfs._codec not built")
+def test_the_shared_tier_holds_blocks_encoded(mount_factory, s3):  # noqa: F811
+    """bfloat16 KV goes to the bucket encoded (lossless); the other host's client GETs the
+    smaller objects with its grants and decodes them where they land: the same bytes."""
+    spec = kv.ModelSpec(model="org/shared", revision="r", kv_dtype="bfloat16", block_size=16,
+                        num_layers=8, num_kv_heads=2, head_dim=64)
+    a, b = mounts(mount_factory, s3)
+    kv_in = torch.randn(6, *spec.block_shape).to(torch.bfloat16)
+    with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as c:
+        hashes = c.block_hashes(list(range(16 * 6)))
+        assert c.save(hashes, kv_in) == 6
+    s3c = s3.client()
+    deadline = time.monotonic() + 20
+    while a.stats()["tiers"][0]["uploads"] < 6:
+        assert time.monotonic() < deadline, "the blocks never reached the bucket"
+        time.sleep(0.1)
+    objs = [o for o in s3c.list_objects_v2(Bucket=s3.bucket)["Contents"]
+            if spec.namespace in o["Key"]]
+    assert len(objs) == 6
+    raw_file = 4096 + spec.block_payload_bytes
+    for o in objs:
+        body = s3c.get_object(Bucket=s3.bucket, Key=o["Key"])["Body"].read()
+        assert body[8] == 3 and len(body) < 0.8 * raw_file
+    tier = a.stats()["tiers"][0]
+    assert tier["ratio"] > 1.3 and tier["put_raw_bytes"] == 6 * raw_file
+    with kv.KVCache.open(b.mnt, tenant="t", spec=spec) as c:
+        assert c.lookup(hashes) == 6
+        out = torch.zeros_like(kv_in)
+        assert c.load(hashes, out) == 6
+        assert torch.equal(out.view(torch.int16), kv_in.view(torch.int16))
+        assert c.stats["remote_blocks"] == 6
+        assert c.stats["remote_bytes"] == sum(o["Size"] for o in objs)  # the stored bytes
+        c.flush()
+    # The hot copies on b were written behind as saved (decoded), and serve again.
+    ns_b = b.mnt / "t" / spec.namespace
+    hot = (ns_b / kv.hashing.block_relpath(hashes[0])).read_bytes()
+    assert hot[8] in (1, 2) and len(hot) == raw_file

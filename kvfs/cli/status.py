@@ -40,7 +40,8 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
         lines.append(f"{t['name']}: {t['url']}  holds {t['known_files']} blocks of this host "
                      f"({human(t['known_bytes'])})  circuit {t['circuit']}  hits {t['hits']}  "
                      f"misses {t['misses']}  timeouts {t['timeouts']}  errors {t['errors']}  "
-                     f"uploads {t['uploads']} (failed {t['upload_failures']})")
+                     f"uploads {t['uploads']} (failed {t['upload_failures']})  "
+                     f"codec {t['codec']}" + (f" ({t['ratio']}x)" if t.get("ratio") else ""))
     rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "HIT%", "HITS", "MISSES", "READ",
              "WRITTEN", "EVICTED")]
     for tenant, spaces in sorted(stats["tenants"].items()):

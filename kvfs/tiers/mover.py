@@ -202,6 +202,8 @@ class Tiering:
         self.breakers = [Breaker(breaker_threshold, breaker_cooldown, name=t.name)
                          for t in tiers]
         self.counters = [TierCounters() for _ in tiers]
+        #: (tenant, namespace) -> [raw, stored] bytes of the blocks put below (all tiers).
+        self.ns_bytes: dict[tuple[str, str], list[int]] = {}
         self._inflight: dict[str, trio.Event] = {}
         self._results: dict[str, Fetched | None] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, Source, int]](
@@ -456,7 +458,7 @@ class Tiering:
             return 0
         breaker.success()
         c.demotions += 1
-        self._count_put(c, put)
+        self._count_put(c, key, put)
         return 1
 
     def enqueue_upload(self, key: str, path: Source) -> None:
@@ -492,18 +494,21 @@ class Tiering:
                 if done:
                     breaker.success()
                     c.uploads += 1
-                    self._count_put(c, put)
+                    self._count_put(c, key, put)
                     break
                 breaker.failure()
             else:
                 c.upload_failures += 1
 
-    @staticmethod
-    def _count_put(c: TierCounters, put: tuple[bool, int, int]) -> None:
+    def _count_put(self, c: TierCounters, key: str, put: tuple[bool, int, int]) -> None:
         wrote, raw, stored = put
         if wrote:
             c.put_raw_bytes += raw
             c.put_stored_bytes += stored
+            tenant, ns = key.split("/", 2)[:2]
+            got = self.ns_bytes.setdefault((tenant, ns), [0, 0])
+            got[0] += raw
+            got[1] += stored
 
     async def delete(self, key: str, shared: bool = True) -> None:
         """Best effort: remove a block from the lower tiers (with `shared`, from the tiers

@@ -1,0 +1,184 @@
+"""The lossless block codec (kvfs.codec, kvfs._codec) and format version 3."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+import threading
+from array import array
+
+import pytest
+import xxhash
+
+from kvfs import blockfile as bf
+from kvfs import codec
+
+needs_codec = pytest.mark.skipif(not codec.available(), reason="kvfs._codec not built")
+
+
+def kv_like(n: int, seed: int = 0) -> bytes:
+    """``n`` bfloat16 values drawn like KV (normal, a few scales): the high byte of each
+    takes a few dozen values, the low byte is near random."""
+    rng = random.Random(seed)
+    f32 = array("f", [rng.gauss(0, rng.choice((0.5, 1.0, 4.0))) for _ in range(n)])
+    return array("H", f32.tobytes())[1::2].tobytes()  # the top half of each float32
+
+
+ARGS = dict(block_hash=bytes(range(16)), parent_hash=bytes(16), fingerprint=b"f" * 16,
+            token_count=16)
+
+
+def raw_block(payload: bytes, *, sums: bool = False, dtype: str = "bfloat16") -> bytes:
+    k = bf.DTYPE_SIZES[dtype]
+    return bf.encode(**ARGS, dtype=dtype, shape=(len(payload) // k,), payload=payload,
+                     sums=sums)
+
+
+def reseal(data: bytearray) -> bytes:
+    """``data`` with its header checksum made right again (a forger's file)."""
+    data[168:176] = bytes(8)
+    data[168:176] = struct.pack("<Q", xxhash.xxh3_64_intdigest(bytes(data[:4096])))
+    return bytes(data)
+
+
+@needs_codec
+@pytest.mark.parametrize("sums", [False, True])
+def test_round_trip_is_the_same_file(sums: bool) -> None:
+    payload = kv_like(200_000)  # 400 KB: several frames a plane, a partial last one
+    raw = raw_block(payload, sums=sums)
+    enc = codec.encode_file(raw)
+    assert enc is not None and len(enc) < 0.8 * len(raw)
+    h = bf.decode_header(enc)
+    assert h.version == bf.ENCODED_VERSION and h.encoding is not None
+    assert h.checksum == bf.payload_checksum(payload)  # the decoded payload's
+    assert h.encoding.stored_checksum == xxhash.xxh3_64_intdigest(
+        enc[4096:4096 + h.encoding.stored_len])  # the stored bytes'
+    assert (h.sums is not None) == sums
+    assert len(enc) == h.file_size and len(enc) % 4096 == 0
+    assert codec.decode_file(enc) == raw  # byte for byte, header and all
+    _, got = bf.decode(enc)
+    assert bytes(got) == payload
+    # Decoded into a destination in parts (a block's pages), as a load does.
+    parts = [bytearray(1000), bytearray(len(payload) - 1007), bytearray(7)]
+    codec.decode_payload(h, memoryview(enc)[4096:4096 + h.encoding.stored_len], parts)
+    assert b"".join(parts) == payload
+
+
+@needs_codec
+def test_what_does_not_shrink_stays_as_saved() -> None:
+    assert codec.encode_file(raw_block(os.urandom(64 << 10))) is None
+    assert codec.encode_file(raw_block(os.urandom(64 << 10), dtype="uint8")) is None
+    enc = codec.encode_file(raw_block(kv_like(30_000)))
+    assert enc is not None and codec.encode_file(enc) is None  # encoded already
+    with pytest.raises(bf.BlockFormatError):  # not a sound block: refused, not encoded
+        codec.encode_file(raw_block(kv_like(30_000))[:-1])
+    assert codec.decode_file(raw_block(b"ab" * 100)) == raw_block(b"ab" * 100)
+
+
+@needs_codec
+def test_every_bit_flip_of_an_encoded_block_is_refused() -> None:
+    """A corrupt stored byte fails the stored checksum; a forger who fixes that checksum and
+    the header's still meets the decoder's checks and the decoded payload's checksum: never
+    wrong bytes."""
+    payload = kv_like(40_000, seed=3)
+    enc = codec.encode_file(raw_block(payload))
+    assert enc is not None
+    h = bf.decode_header(enc)
+    assert h.encoding is not None
+    end = 4096 + h.encoding.stored_len
+    rng = random.Random(7)
+    for _ in range(60):
+        at = rng.randrange(4096, end)
+        bad = bytearray(enc)
+        bad[at] ^= 1 << rng.randrange(8)
+        with pytest.raises(bf.BlockFormatError, match="checksum"):
+            bf.decode(bad)
+        # The forger's version: the stored checksum recomputed, the header resealed.
+        struct.pack_into("<Q", bad, 216, xxhash.xxh3_64_intdigest(bytes(bad[4096:end])))
+        with pytest.raises(bf.BlockFormatError) as ei:
+            bf.decode(reseal(bad))
+        assert ei.value.reason in ("codec", "checksum")
+
+
+@needs_codec
+def test_encoding_fields_are_checked() -> None:
+    enc = bytearray(codec.encode_file(raw_block(kv_like(30_000))) or b"")
+    for off, value, match in [
+        (192, struct.pack("<H", 9), "unknown codec"),
+        (194, struct.pack("<H", 2), "flags"),
+        (196, struct.pack("<I", 4), "element size"),
+        (200, struct.pack("<I", 0), "chunk"),
+        (204, struct.pack("<I", 1), "reserved"),
+        (208, struct.pack("<Q", 60_001), "stored length"),  # longer than the payload
+        (224, b"\x01", "reserved"),
+    ]:
+        bad = bytearray(enc)
+        bad[off:off + len(value)] = value
+        with pytest.raises(bf.BlockFormatError, match=match):
+            bf.decode_header(reseal(bad))
+    # A header that says the file is shorter or longer than it is.
+    with pytest.raises(bf.BlockFormatError, match="length"):
+        bf.decode(bytes(enc) + bytes(4096))
+
+
+@needs_codec
+def test_the_python_decoder_agrees(monkeypatch) -> None:
+    """Where kvfs._codec is not built, python-zstandard decodes the same frames."""
+    pytest.importorskip("zstandard")
+    payload = kv_like(100_000, seed=5)
+    raw = raw_block(payload, sums=True)
+    enc = codec.encode_file(raw)
+    assert enc is not None
+    monkeypatch.setattr(codec, "_codec", None)
+    assert not codec.available() and codec.encode_file(raw) is None
+    assert codec.decode_file(enc) == raw
+    h = bf.decode_header(enc)
+    parts = [bytearray(333), bytearray(len(payload) - 333)]
+    codec.decode_payload(h, memoryview(enc)[4096:4096 + h.stored_len], parts)
+    assert b"".join(parts) == payload
+    bad = bytearray(enc)
+    bad[5000] ^= 0xFF
+    with pytest.raises(bf.BlockFormatError):
+        codec.decode_file(bad)
+
+
+@needs_codec
+def test_threads_decode_side_by_side() -> None:
+    """Decoding releases the GIL: blocks decoded on several threads all come out right."""
+    blocks = [raw_block(kv_like(60_000, seed=s)) for s in range(6)]
+    encs = [codec.encode_file(b) for b in blocks]
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            for _ in range(5):
+                assert codec.decode_file(encs[k]) == blocks[k]
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_format_vector() -> None:
+    """The version 3 header of docs/format.md, field by field (no codec needed to parse)."""
+    stored = bytes(range(16)) + bytes(20)  # any bytes: the header only names them
+    payload = bytes(64)
+    h = bf.make_header(**ARGS, dtype="bfloat16", shape=(32,), payload=payload)
+    e = bf.Encoding(bf.CODEC_PLANES, 2, 65536, len(stored), xxhash.xxh3_64_intdigest(stored))
+    from dataclasses import replace
+    head = bf.encode_header(replace(h, encoding=e))
+    assert struct.unpack_from("<I", head, 8)[0] == 3
+    assert struct.unpack_from("<HHIIIQQ", head, 192) == (1, 0, 2, 65536, 0, 36,
+                                                           e.stored_checksum)
+    assert head[224:] == bytes(4096 - 224)
+    got = bf.decode_header(head)
+    assert got.encoding == e and got.file_size == 8192 and got.stored_len == 36
+    assert bf.HeaderCheck(fingerprint=b"f" * 16, token_count=16, dtype="bfloat16",
+                          shape=(32,)).payload_checksum(bytearray(head), ARGS["block_hash"]) \
+        is None  # the readers' shortcut never takes an encoded header for a raw one
