@@ -176,7 +176,7 @@ static void dest_write(Dest *d, const uint8_t *src, size_t n) {
 }
 
 static int run_decode(const uint8_t *s, size_t slen, int k, size_t chunk, Dest *dest,
-                      size_t n, uint64_t *digest) {
+                      size_t n, uint64_t *digest, int merging) {
     uint8_t *dst = dest->nparts == 1 ? dest->buf[0] : NULL;
     size_t elems = n / (size_t)k;
     if (n % (size_t)k || slen < 8 * (size_t)k) return BAD_TABLE;
@@ -229,6 +229,7 @@ static int run_decode(const uint8_t *s, size_t slen, int k, size_t chunk, Dest *
             pos[p] += fl;
             src[p] = into;
         }
+        if (!merging) continue; /* the zstd frames alone: the library's bound */
         uint8_t *out = dst ? dst + first * (size_t)k : scratch + (size_t)k * chunk;
         merge(out, len, k, src);
         XXH3_64bits_update(xs, out, len * (size_t)k);
@@ -244,7 +245,9 @@ done:
     return rc;
 }
 
-/* decode(stored, k, chunk, dest) -> (verdict, xxh3_64 of what was written to dest)
+/* decode(stored, k, chunk, dest, merge=True) -> (verdict, xxh3_64 of what was written to dest)
+ * merge False: decompress the zstd frames only (into scratch), write nothing to dest and hash
+ * nothing: the zstd library's own time on these frames, for kvfs bench codec.
  * dest: a writable buffer, or a list or tuple of them filled in order, exactly the decoded
  * payload's size in all; on a verdict other than 0 its bytes are undefined (the caller reports
  * a miss and never serves them). */
@@ -253,7 +256,8 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     PyObject *target;
     int k;
     Py_ssize_t chunk;
-    if (!PyArg_ParseTuple(args, "y*inO", &s, &k, &chunk, &target)) return NULL;
+    int merging = 1;
+    if (!PyArg_ParseTuple(args, "y*inO|p", &s, &k, &chunk, &target, &merging)) return NULL;
     PyObject *result = NULL, *seq = NULL;
     Py_buffer *views = NULL;
     uint8_t **bufs = NULL;
@@ -292,7 +296,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         uint64_t digest = 0;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_decode(s.buf, (size_t)s.len, k, (size_t)chunk, &d, total, &digest);
+        rc = run_decode(s.buf, (size_t)s.len, k, (size_t)chunk, &d, total, &digest, merging);
         Py_END_ALLOW_THREADS
         if (rc == NO_MEMORY) PyErr_NoMemory();
         else result = Py_BuildValue("iK", rc, (unsigned long long)digest);

@@ -554,3 +554,34 @@ def test_s3clients_says_a_missing_client_is_not_installed(monkeypatch):
     text = s3clients.text_table(record)
     assert "not installed" in text and "fastest GET: urllib3" in text and "20x" in text
     assert "| awscrt | not installed |" in "\n".join(s3clients.table(record))
+
+
+def test_bench_codec_measures_every_figure_and_the_report_renders(tmp_path):
+    """`kvfs bench codec` at a tiny scale (the synthetic blocks; the vLLM source is the
+    engine tests' to run): every figure of the source is produced, with its baseline, and
+    the record renders."""
+    from kvfs import codec
+
+    if not codec.available():
+        pytest.skip("kvfs._codec not built")
+    out = tmp_path / "out"
+    res = kvfs("bench", "codec", "--no-engine", "--llama-blocks", "2", "--repeats", "1",
+               "--dir", str(tmp_path), "--out", str(out))
+    assert "stored ratio" in res.stdout
+    record = json.loads((out / "codec.json").read_text())
+    assert record["benchmark"] == "codec" and record["conditions"]["libzstd"]
+    rows = record["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["kvfs"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
+    ratio = rows[0]
+    assert 1.3 < ratio["kvfs"] < 1.6 and ratio["baseline_name"].startswith("zstd")
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kvfs-bench-codec-")]
+    kvfs("bench", "report", "--records", str(out), "--output", str(tmp_path / "b.md"))
+    assert "## Block codecs" in (tmp_path / "b.md").read_text()
+
+
+def test_bench_codec_refuses_bad_arguments(tmp_path):
+    for bad in (["--repeats", "0"], ["--dir", str(tmp_path / "no")]):
+        res = kvfs("bench", "codec", *bad, check=False)
+        assert res.returncode == 2 and res.stderr.strip(), (bad, res.stdout, res.stderr)

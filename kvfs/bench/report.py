@@ -19,6 +19,7 @@ from typing import Any
 
 from . import (
     backends,
+    codecs,
     crossover,
     degraded,
     door,
@@ -73,7 +74,7 @@ it says so and exits. (Its JSON output is not yet a record of this page: a recor
 #: Every kind, in the order of the document.
 KINDS: list[Kind] = [crossover.KIND, restore.KIND, hitrate.KIND, degraded.KIND, tiers.KIND,
                      mount.KIND, TRACE, engine.KIND, backends.KIND, GPU, door.KIND,
-                     s3clients.KIND]
+                     s3clients.KIND, codecs.KIND]
 BY_NAME = {k.name: k for k in KINDS}
 
 

@@ -187,6 +187,15 @@ def cmd_bench_s3clients(args: argparse.Namespace) -> int:
     return s3clients.run(args)
 
 
+def cmd_bench_codec(args: argparse.Namespace) -> int:
+    from ..bench import codecs  # noqa: PLC0415
+
+    why = codecs.check_args(args)
+    if why:
+        raise CliError(why, EXIT_USAGE)
+    return codecs.run(args)
+
+
 def cmd_bench_trace(args: argparse.Namespace) -> int:
     from .. import trace  # noqa: PLC0415
     from ..bench.common import conditions, finish  # noqa: PLC0415
@@ -377,6 +386,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     s3clients_args(bs3)
     add_output_args(bs3)
     bs3.set_defaults(func=cmd_bench_s3clients)
+
+    bcodec = bsub.add_parser("codec", help="the lossless block codec on real model KV (vLLM "
+                             "with SmolLM2) and Llama-shaped KV: ratio, decode and encode "
+                             "GB/s against the zstd library and the order-0 bound")
+    from ..bench.codecs import add_args as codec_args  # noqa: PLC0415
+    codec_args(bcodec)
+    add_output_args(bcodec)
+    bcodec.set_defaults(func=cmd_bench_codec)
 
     bt = bsub.add_parser("trace", help="write a generated agentic or mixed trace (Mooncake "
                          "format) and measure it: shared prefix, reuse, concurrency, gaps")

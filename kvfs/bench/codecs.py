@@ -1,0 +1,326 @@
+"""``kvfs bench codec``: the lossless block codec on real model KV, against the bounds of this
+machine and the codec a user would pick instead, in one run.
+
+Sources of blocks:
+
+- **smollm2 (vLLM)**: the blocks a real vLLM (the CPU build of ``tools/setup_vllm.sh``,
+  SmolLM2-135M-Instruct, bfloat16) saved through the KVFSConnector into a kvfs mount while it
+  prefilled a fixed English text (kvfs's own module docstrings, ``--tokens`` tokens): the
+  block files exactly as the hot tier holds them;
+- **llama-3-8b-shape (synthetic)**: Llama-3-8B-shaped blocks (32 layers, 8 KV heads of 128,
+  16 tokens: 2 MiB) of bfloat16 values drawn from normal distributions, one scale per head
+  (log-normal): the restore benchmark's shape with values instead of random bytes.
+
+For each source, on its blocks, one thread unless said (figures per core):
+
+- **ratio**: raw block files' bytes over the stored files' bytes (``kvfs.codec.encode_file``,
+  blocks that do not pay stored as is), against zstd level 1 of each whole payload (the codec
+  a user would reach for) and against the order-0 bound: each byte plane coded at its
+  order-0 entropy (a plane whose entropy is 8 bits stored as is), which no coder of single
+  bytes beats;
+- **decode GB/s** (payload bytes per second): ``kvfs.codec.decode_payload`` into a
+  destination buffer, both checksums checked, against the zstd library decoding the same
+  compressed frames alone (python-zstandard, one call per frame): the library's own speed on
+  these frames, before any merge or checksum; and against zstd level 1 of the whole payload
+  decoded by the same library;
+- **decode GB/s, all cores**: the same on ``--threads`` threads (one block each at a time),
+  against copying and hashing (xxh3_64) raw payloads on as many threads: what a raw block's
+  verified landing costs once its bytes are read;
+- **encode MB/s**: ``encode_file`` (split, zstd, checksums), against zstd level 1 of the whole
+  payload.
+
+Each figure is the median of ``--repeats`` passes over all the blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import xxhash
+
+from .. import blockfile, codec
+from .common import finish
+from .harness import Mount, conditions, conditions_after, fuse_available
+from .records import Kind, figure_table
+
+LLAMA = dict(layers=32, heads=8, dim=128, tokens=16)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--python", default=os.path.join(".venv-vllm", "bin", "python"),
+                   help="the vLLM venv's python (tools/setup_vllm.sh)")
+    p.add_argument("--model", default=os.path.join(".cache", "models",
+                                                   "smollm2-135m-instruct"))
+    p.add_argument("--tokens", type=int, default=2048, help="tokens of text vLLM prefills (2048)")
+    p.add_argument("--llama-blocks", type=int, default=16, dest="llama_blocks",
+                   help="synthetic Llama-shaped blocks of 2 MiB (16)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="threads of the all-cores figures (default: the CPUs)")
+    p.add_argument("--repeats", type=int, default=5, help="passes per figure; median (5)")
+    p.add_argument("--no-engine", dest="engine", action="store_false",
+                   help="skip the vLLM source (the synthetic blocks only)")
+    p.add_argument("--dir", default=".", help="where the mount and its blocks go (here)")
+
+
+def check_args(args: argparse.Namespace) -> str | None:
+    if not codec.available():
+        return "kvfs._codec is not built (gcc, libzstd-dev; then reinstall kvfs)"
+    if min(args.tokens, args.llama_blocks, args.threads, args.repeats) < 1:
+        return "--tokens, --llama-blocks, --threads and --repeats must be at least 1"
+    if not os.path.isdir(args.dir):
+        return f"no directory {args.dir}"
+    return None
+
+
+def log(msg: str) -> None:
+    print(f"bench codec: {msg}", file=sys.stderr, flush=True)
+
+
+# -- sources -------------------------------------------------------------------------------------
+
+
+def text(tokens: int) -> str:
+    """A fixed English text of at least ``tokens`` tokens: kvfs's own module docstrings."""
+    import importlib  # noqa: PLC0415
+    import pkgutil  # noqa: PLC0415
+
+    import kvfs  # noqa: PLC0415
+
+    parts = []
+    for info in sorted(pkgutil.walk_packages(kvfs.__path__, "kvfs."), key=lambda m: m.name):
+        if any(x in info.name for x in ("integrations", "_")):
+            continue
+        try:
+            doc = importlib.import_module(info.name).__doc__
+        except ImportError:
+            continue
+        if doc:
+            parts.append(doc)
+        if sum(map(len, parts)) > 6 * tokens:  # ~4 characters a token, with margin
+            break
+    return "\n\n".join(parts)
+
+
+def vllm_blocks(args: argparse.Namespace, work: str) -> tuple[list[bytes], str]:
+    """The block files a real vLLM saved through the connector, and what they are."""
+    from .engine import _engine  # noqa: PLC0415
+
+    prompt = os.path.join(work, "prompt.json")
+    with open(prompt, "w") as f:
+        json.dump({"parts": [[text(args.tokens), args.tokens]]}, f)
+    m = Mount.under(os.path.join(work, "m"))
+    m.start()
+    try:
+        m.add_tenant("bench")
+        args.max_model_len = args.tokens + 64
+        got = _engine(args, work, ["--connector", "kvfs", "--mount", str(m.mnt),
+                                   "--tenant", "bench"], [prompt])
+    finally:
+        m.stop()
+    files = sorted(glob.glob(os.path.join(m.backing, "bench", "*", "*", "*.kv")))
+    blocks = [open(p, "rb").read() for p in files]
+    saved = got.get("worker", {}).get("client", {}).get("saved_blocks")
+    h = blockfile.decode_header(blocks[0]) if blocks else None
+    what = (f"{len(blocks)} blocks vLLM saved ({saved} by its count) of {h.token_count} "
+            f"tokens, {h.dtype} {list(h.shape)}, {h.payload_len / 2**20:.2f} MiB each"
+            if h else "no blocks saved")
+    return blocks, what
+
+
+def llama_blocks(n: int, seed: int = 0) -> tuple[list[bytes], str]:
+    import torch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (LLAMA["layers"], 2, LLAMA["tokens"], LLAMA["heads"], LLAMA["dim"])
+    out = []
+    rng = random.Random(seed)
+    for i in range(n):
+        scale = torch.tensor([[math.exp(rng.gauss(0, 1)) for _ in range(LLAMA["heads"])]
+                              for _ in range(LLAMA["layers"] * 2)]).reshape(
+                                  LLAMA["layers"], 2, 1, LLAMA["heads"], 1)
+        kv = (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+        payload = kv.view(torch.uint8).numpy().tobytes()
+        out.append(blockfile.encode(block_hash=xxhash.xxh3_128_digest(b"%d" % i),
+                                    parent_hash=bytes(16), fingerprint=bytes(16),
+                                    token_count=LLAMA["tokens"], dtype="bfloat16",
+                                    shape=shape, payload=payload))
+    return out, (f"{n} blocks of {LLAMA['tokens']} tokens, bfloat16 {list(shape)}, "
+                 f"2 MiB each; normal values, one log-normal scale per head")
+
+
+# -- measurements --------------------------------------------------------------------------------
+
+
+def _median_s(fn: Callable[[], Any], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def _entropy_bytes(plane: bytes) -> float:
+    n = len(plane)
+    bits = -sum(c / n * math.log2(c / n) for c in Counter(plane).values())
+    return min(n, n * bits / 8)
+
+
+def measure(blocks: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    import zstandard  # noqa: PLC0415
+
+    heads = [blockfile.decode_header(b) for b in blocks]
+    payloads = [memoryview(b)[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + h.payload_len]
+                for b, h in zip(blocks, heads, strict=True)]
+    total = sum(h.payload_len for h in heads)
+    encoded = [codec.encode_file(b) or b for b in blocks]
+    stored_heads = [blockfile.decode_header(e) for e in encoded]
+    raw_bytes, stored_bytes = sum(map(len, blocks)), sum(map(len, encoded))
+    # The order-0 bound of the byte planes (files: header and page padding as kvfs's).
+    k = blockfile.DTYPE_SIZES[heads[0].dtype]
+    bound = 0.0
+    for p in payloads:
+        bound += blockfile.HEADER_SIZE + sum(_entropy_bytes(bytes(p[j::k])) for j in range(k))
+    # The peer: zstd level 1 of each whole payload.
+    zc, zd = zstandard.ZstdCompressor(level=1), zstandard.ZstdDecompressor()
+    peer = [zc.compress(p) for p in payloads]
+    peer_bytes = sum(blockfile.HEADER_SIZE + blockfile.padded_size(len(z)) for z in peer)
+    dests = [bytearray(h.payload_len) for h in heads]
+    todo = [(h, memoryview(e)[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + h.stored_len], d)
+            for h, e, d in zip(stored_heads, encoded, dests, strict=True) if h.encoding]
+
+    def decode_all() -> None:
+        for h, s, d in todo:
+            codec.decode_payload(h, s, d)
+
+    def library() -> None:  # the same frames, decompressed alone (no merge, no checksum)
+        for h, st, d in todo:
+            assert h.encoding is not None
+            codec._codec.decode(st, h.encoding.element_size, h.encoding.chunk, d, False)
+
+    def peer_decode() -> None:
+        for z in peer:
+            zd.decompress(z)
+
+    enc_payload = sum(h.payload_len for h in stored_heads if h.encoding)
+    one = _median_s(decode_all, args.repeats)
+    lib = _median_s(library, args.repeats)
+    peer_dec = _median_s(peer_decode, args.repeats)
+    enc_s = _median_s(lambda: [codec.encode_file(b) for b in blocks], max(1, args.repeats // 2))
+    peer_enc_s = _median_s(lambda: [zc.compress(p) for p in payloads], max(1, args.repeats // 2))
+    # All cores: each thread decodes (copies) into its own destinations.
+    own = [[bytearray(h.payload_len) for h in heads] for _ in range(args.threads)]
+    work = [(t, i) for t in range(args.threads) for i in range(len(todo))]
+    pool = ThreadPoolExecutor(args.threads)
+    try:
+        def decode_one(job: tuple[int, int]) -> None:
+            t, i = job
+            h, st, _ = todo[i]
+            codec.decode_payload(h, st, own[t][i])
+
+        def copy_hash(job: tuple[int, int]) -> None:
+            t, i = job
+            d = own[t][i]
+            d[:] = payloads[i]
+            xxhash.xxh3_64_intdigest(d)
+
+        many = _median_s(lambda: list(pool.map(decode_one, work)), args.repeats)
+        raws = [(t, i) for t in range(args.threads) for i in range(len(payloads))]
+        raw_many = _median_s(lambda: list(pool.map(copy_hash, raws)), args.repeats)
+    finally:
+        pool.shutdown()
+    return {
+        "blocks": len(blocks), "encoded_blocks": len(todo), "payload_bytes": total,
+        "raw_file_bytes": raw_bytes, "stored_file_bytes": stored_bytes,
+        "ratio": raw_bytes / stored_bytes, "peer_ratio": raw_bytes / peer_bytes,
+        "bound_ratio": raw_bytes / bound,
+        "decode_gbps": enc_payload / one / 1e9,
+        "library_gbps": enc_payload / lib / 1e9 if lib else None,
+        "peer_decode_gbps": total / peer_dec / 1e9,
+        "decode_all_gbps": enc_payload * args.threads / many / 1e9,
+        "raw_copy_hash_all_gbps": total * args.threads / raw_many / 1e9,
+        "encode_mbps": total / enc_s / 1e6, "peer_encode_mbps": total / peer_enc_s / 1e6,
+    }
+
+
+def rows_for(name: str, m: dict[str, Any], threads: int) -> list[dict[str, Any]]:
+    def row(figure: str, kvfs: float | None, base: float | None, base_name: str, unit: str,
+            note: str = "") -> dict[str, Any]:
+        return {"source": name, "figure": f"{name}: {figure}", "kvfs": _r(kvfs),
+                "baseline": _r(base), "baseline_name": base_name, "unit": unit,
+                "ratio": _r(kvfs / base if kvfs and base else None, 3), "note": note}
+
+    return [
+        row("stored ratio", m["ratio"], m["peer_ratio"], "zstd -1 of the payload", "x",
+            f"{m['encoded_blocks']} of {m['blocks']} blocks encoded"),
+        row("stored ratio / order-0 bound", m["ratio"], m["bound_ratio"],
+            "each byte plane at its order-0 entropy", "x"),
+        row("decode, 1 thread", m["decode_gbps"], m["library_gbps"],
+            "zstd library on the same frames alone", "GB/s",
+            "payload bytes; both checksums checked"),
+        row("decode vs the peer, 1 thread", m["decode_gbps"], m["peer_decode_gbps"],
+            "zstd -1 of the payload, decoded", "GB/s"),
+        row(f"decode, {threads} threads", m["decode_all_gbps"], m["raw_copy_hash_all_gbps"],
+            f"copy + xxh3 of raw payloads, {threads} threads", "GB/s"),
+        row("encode, 1 thread", m["encode_mbps"], m["peer_encode_mbps"],
+            "zstd -1 of the payload", "MB/s"),
+    ]
+
+
+def _r(x: float | None, nd: int = 3) -> float | None:
+    return None if x is None else round(x, nd)
+
+
+def run(args: argparse.Namespace) -> int:
+    work = tempfile.mkdtemp(prefix=".kvfs-bench-codec-", dir=args.dir)
+    cond = conditions({"work": work}, modules=("zstandard", "xxhash", "torch"), gpu=False,
+                      load=True)
+    cond["libzstd"] = codec._codec.zstd_version
+    sources: dict[str, Any] = {}
+    skipped = []
+    try:
+        why = fuse_available()
+        if args.engine and os.path.exists(args.python) and why is None:
+            log("prefilling with vLLM through the KVFSConnector")
+            blocks, what = vllm_blocks(args, work)
+            if blocks:
+                sources["smollm2-135m (vLLM)"] = (blocks, what)
+            else:
+                skipped.append("smollm2 (vLLM): the engine saved no blocks")
+        elif args.engine:
+            skipped.append(f"smollm2 (vLLM): needs {args.python} (tools/setup_vllm.sh) and "
+                           f"a FUSE mount ({why or 'available'})")
+        sources["llama-3-8b-shape (synthetic)"] = llama_blocks(args.llama_blocks)
+        rows, details = [], {}
+        for name, (blocks, what) in sources.items():
+            log(f"measuring {name}: {what}")
+            m = measure(blocks, args)
+            details[name] = {"blocks": what, **{k: _r(v) if isinstance(v, float) else v
+                                                for k, v in m.items()}}
+            rows += rows_for(name, m, args.threads)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    record = {"benchmark": "codec", "rows": rows, "sources": details, "skipped": skipped,
+              "params": {"chunk_elements": codec.CHUNK, "zstd_level": codec.LEVEL,
+                         "keep": codec.KEEP, "tokens": args.tokens, "threads": args.threads,
+                         "repeats": args.repeats},
+              "conditions": conditions_after(cond, load=True)}
+    return finish(record, args, "\n".join(figure_table(record)))
+
+
+KIND = Kind("codec", "Block codecs", "kvfs bench codec --out docs/bench", __doc__.split(
+    "\n\n", 1)[1], figure_table, ("kvfs", "baseline", "ratio"))
