@@ -182,3 +182,39 @@ def test_format_vector() -> None:
     assert bf.HeaderCheck(fingerprint=b"f" * 16, token_count=16, dtype="bfloat16",
                           shape=(32,)).payload_checksum(bytearray(head), ARGS["block_hash"]) \
         is None  # the readers' shortcut never takes an encoded header for a raw one
+
+
+VECTOR_STORED = bytes.fromhex(
+    "4000000000000000" "1100000000000080"
+    "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f"
+    "202122232425262728292a2b2c2d2e2f303132333435363738393a3b3c3d3e3f"
+    "28b52ffd2040450000103f3f0100930016")
+VECTOR_HEAD_160_224 = bytes.fromhex(
+    "8c38d171b63489032c2f1e382ffcf06700000000000000000000000000000000"
+    "010000000200000000000100000000006100000000000000edf5feee2910f993")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_format_vector_decodes(monkeypatch, native: bool) -> None:
+    """docs/format.md, section 5: the version 3 file made of the documented bytes decodes
+    (with kvfs._codec, and with python-zstandard) into the documented block, whose own
+    version 1 file comes back."""
+    from kvfs import hashing
+
+    if native and not codec.available():
+        pytest.skip("kvfs._codec not built")
+    if not native:
+        pytest.importorskip("zstandard")
+        monkeypatch.setattr(codec, "_codec", None)
+    payload = b"".join(bytes([i, 0x3F]) for i in range(64))
+    raw = bf.encode(block_hash=bytes(range(16)), parent_hash=hashing.ROOT_PARENT,
+                    fingerprint=bytes.fromhex("d63a9e59af86df24757cd7b66c825fbc"),
+                    token_count=4, dtype="bfloat16", shape=(64,), payload=payload)
+    head = bytearray(raw[:4096])
+    head[8:12] = struct.pack("<I", 3)
+    head[160:224] = VECTOR_HEAD_160_224
+    assert xxhash.xxh3_64_intdigest(VECTOR_STORED) == 0x93F91029EEFEF5ED
+    f = bytes(head) + VECTOR_STORED + bytes(4096 - len(VECTOR_STORED))
+    h, got = bf.decode(f)
+    assert h.encoding == bf.Encoding(1, 2, 65536, 97, 0x93F91029EEFEF5ED)
+    assert bytes(got) == payload and codec.decode_file(f) == raw

@@ -288,6 +288,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recovery-hits", type=int, default=5,
                    help="full hits to see after the store returns (5)")
     p.add_argument("--no-outage", action="store_true", help="skip the outages")
+    p.add_argument("--payload", choices=("random", "kv"), default="random",
+                   help="block payloads: random bytes (nothing to compress), or bfloat16 values "
+                        "drawn like KV (normal, a scale per head: what the lower tiers' codec "
+                        "shrinks)")
+    p.add_argument("--tier-codec", choices=("planes", "none"), default="planes",
+                   dest="tier_codec", help="every mount's --tier-codec (planes)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small, short")
     add_output_args(p)  # --out DIR (tiers.json and tiers.png there) or --json FILE
     p.add_argument("--keep", action="store_true", help="keep the work directory")
@@ -309,6 +315,7 @@ def main(argv: list[str] | None = None) -> int:
         Sets,
         bench_large,
         bench_restore,
+        kv_like,
         random_kv,
         spec_for,
         wait_published,
@@ -324,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         args.recovery_hits = 2
         args.large_blocks = 48
     args.delays = [float(x) for x in str(args.delays).split(",") if x]
+    payload = random_kv if args.payload == "random" else kv_like
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         print("bench_tiers: needs /dev/fuse and fusermount3", file=sys.stderr)
         return 2
@@ -361,17 +369,21 @@ def main(argv: list[str] | None = None) -> int:
         proxy = FaultProxy(("127.0.0.1", server.ports["s3.port"]))
         direct = f"s3://{BUCKET}/{PREFIX}?endpoint={server.endpoint}&region={REGION}"
         slow = f"s3://{BUCKET}/{PREFIX}?endpoint={proxy.endpoint}&region={REGION}"
+        codec_args = ["--tier-codec", args.tier_codec]
         restore_extra = ([] if not args.restore_fetch_timeout
                          else ["--fetch-timeout", str(args.restore_fetch_timeout)])
-        w_s3 = Mount.under(os.path.join(work, "w-s3"), ["--shared", direct])
-        w_dir = Mount.under(os.path.join(work, "w-dir"), ["--shared", f"dir://{cold_root}"])
+        w_s3 = Mount.under(os.path.join(work, "w-s3"), ["--shared", direct, *codec_args])
+        w_dir = Mount.under(os.path.join(work, "w-dir"),
+                            ["--shared", f"dir://{cold_root}", *codec_args])
         r_dir = Mount.under(os.path.join(work, "r-dir"),
-                            ["--cold", f"dir://{cold_root}", *restore_extra])
-        r_s3 = Mount.under(os.path.join(work, "r-s3"), ["--shared", direct, *restore_extra])
-        r_large = Mount.under(os.path.join(work, "r-large"), ["--shared", direct])
+                            ["--cold", f"dir://{cold_root}", *restore_extra, *codec_args])
+        r_s3 = Mount.under(os.path.join(work, "r-s3"),
+                           ["--shared", direct, *restore_extra, *codec_args])
+        r_large = Mount.under(os.path.join(work, "r-large"), ["--shared", direct, *codec_args])
         r_tail = Mount.under(os.path.join(work, "r-tail"), ["--shared", slow,
                                         "--fetch-timeout", str(args.fetch_timeout),
-                                        "--tier-cooldown", str(args.tier_cooldown)])
+                                        "--tier-cooldown", str(args.tier_cooldown),
+                                        *codec_args])
         for m in (w_s3, w_dir, r_dir, r_s3, r_large, r_tail):
             m.start()
             mounts.append(m)
@@ -393,20 +405,20 @@ def main(argv: list[str] | None = None) -> int:
                 KVCache.open(w_dir.mnt, tenant=TENANT, spec=spec, direct=True) as cd:
             restore_sets = sets.make(cs, args.repeats, args.blocks)
             for i, hashes in enumerate(restore_sets):
-                kv = random_kv(spec, len(hashes), seed=i)
+                kv = payload(spec, len(hashes), seed=i)
                 published["w-s3"] += cs.save(hashes, kv)
                 published["w-dir"] += cd.save(hashes, kv)
             large = sets.make(cs, 1, args.large_blocks)[0] if args.large_blocks else []
             step = 64
             for i in range(0, len(large), step):
                 published["w-s3"] += cs.save(large[i:i + step],
-                                             random_kv(spec, len(large[i:i + step]), 10**5 + i),
+                                             payload(spec, len(large[i:i + step]), 10**5 + i),
                                              parent=large[i - 1] if i else None)
             tail_sets = sets.make(cs, pool_n, args.tail_blocks)
             step = max(1, 64 // args.tail_blocks)
             for i in range(0, len(tail_sets), step):
                 chunk = tail_sets[i:i + step]
-                kv = random_kv(spec, len(chunk) * args.tail_blocks, seed=10**6 + i)
+                kv = payload(spec, len(chunk) * args.tail_blocks, seed=10**6 + i)
                 for k, hashes in enumerate(chunk):
                     part = kv[k * args.tail_blocks:(k + 1) * args.tail_blocks]
                     published["w-s3"] += cs.save(hashes, part)

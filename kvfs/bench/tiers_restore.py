@@ -124,6 +124,14 @@ def random_kv(spec: ModelSpec, n: int, seed: int) -> torch.Tensor:
     return raw.view(torch.bfloat16).view(n, *spec.block_shape)
 
 
+def kv_like(spec: ModelSpec, n: int, seed: int) -> torch.Tensor:
+    """bfloat16 values drawn like KV: normal, one log-normal scale per (layer, K/V, head)."""
+    g = torch.Generator().manual_seed(seed)
+    layers, _, _, heads, _ = spec.block_shape
+    scale = torch.exp(torch.randn(n, layers, 2, 1, heads, 1, generator=g))
+    return (torch.randn(n, *spec.block_shape, generator=g) * scale).to(torch.bfloat16)
+
+
 def s3_key(spec: ModelSpec, h: bytes) -> str:
     return f"{PREFIX}/{TENANT}/{spec.namespace}/{block_relpath(h)}"
 
