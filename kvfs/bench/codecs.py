@@ -19,10 +19,10 @@ For each source, on its blocks, one thread unless said (figures per core):
   order-0 entropy (a plane whose entropy is 8 bits stored as is), which no coder of single
   bytes beats;
 - **decode GB/s** (payload bytes per second): ``kvfs.codec.decode_payload`` into a
-  destination buffer, both checksums checked, against the zstd library decoding the same
-  compressed frames alone (python-zstandard, one call per frame): the library's own speed on
-  these frames, before any merge or checksum; and against zstd level 1 of the whole payload
-  decoded by the same library;
+  destination buffer, both checksums checked, against the zstd library (libzstd, the one
+  ``kvfs._codec`` links) decompressing the same frames alone, in the same loop with the merge
+  and the checksums left out: the library's own speed on these frames; and against zstd
+  level 1 of the whole payload, decoded by python-zstandard;
 - **decode GB/s, all cores**: the same on ``--threads`` threads (one block each at a time),
   against copying and hashing (xxh3_64) raw payloads on as many threads: what a raw block's
   verified landing costs once its bytes are read;
