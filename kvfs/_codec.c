@@ -14,10 +14,13 @@
  * decode() works chunk by chunk: each plane's chunk lands in a small scratch (cache-resident),
  * the chunk is interleaved into the destination and hashed (xxh3_64) right there, so the
  * destination is written once and the decoded payload's checksum costs no second pass.
+ *
+ * "int8" (further below): a lossy codec for namespaces that chose it, one scale per group.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -311,11 +314,228 @@ out:
     return result;
 }
 
+/* ---- "int8": lossy, one scale per group (a (token, head) row of head_dim values) ---------
+ * Stored bytes: n int8 codes, then n / group little-endian float32 scales. Element i decodes to
+ * dtype(code[i] * scale[i / group]), the product in float32, converted to bfloat16 by rounding
+ * to nearest even, to float16 by IEEE conversion (also to nearest even), or kept as float32.
+ * Encoding picks scale = max |x| / 127 per group and code = round(x / scale) in -127..127. */
+
+enum { DT_BF16 = 1, DT_F16 = 2, DT_F32 = 3 };
+#define QSTEP 4096 /* elements decoded (and hashed) per step when the destination has parts */
+
+static int dt_size(int dt) { return dt == DT_F32 ? 4 : 2; }
+
+static float load_elem(const uint8_t *p, int dt) {
+    if (dt == DT_BF16) {
+        uint32_t u = (uint32_t)(p[0] | (p[1] << 8)) << 16;
+        float f;
+        memcpy(&f, &u, 4);
+        return f;
+    }
+    if (dt == DT_F16) {
+        _Float16 h;
+        memcpy(&h, p, 2);
+        return (float)h;
+    }
+    float f;
+    memcpy(&f, p, 4);
+    return f;
+}
+
+static void store_elem(uint8_t *p, float f, int dt) {
+    if (dt == DT_BF16) {
+        uint32_t u;
+        memcpy(&u, &f, 4);
+        u += 0x7fffu + ((u >> 16) & 1u); /* finite values only: round to nearest even */
+        p[0] = (uint8_t)(u >> 16);
+        p[1] = (uint8_t)(u >> 24);
+    } else if (dt == DT_F16) {
+        _Float16 h = (_Float16)f;
+        memcpy(p, &h, 2);
+    } else {
+        memcpy(p, &f, 4);
+    }
+}
+
+/* Decode codes[first .. first+len) into out (len elements of dt). */
+static void dequant_run(const int8_t *codes, const uint8_t *scales, size_t first, size_t len,
+                        size_t group, int dt, uint8_t *out) {
+    int es = dt_size(dt);
+    size_t i = first, end = first + len;
+    while (i < end) {
+        size_t g = i / group, stop = (g + 1) * group < end ? (g + 1) * group : end;
+        float sc;
+        memcpy(&sc, scales + 4 * g, 4);
+        for (; i < stop; i++) store_elem(out + (i - first) * es, (float)codes[i] * sc, dt);
+    }
+}
+
+/* quantize(payload, dtype, group) -> (stored bytes, xxh3_64 of the decoded payload), or None
+ * where the payload holds a value that is not finite (it is then stored as is). */
+static PyObject *quantize(PyObject *self, PyObject *args) {
+    Py_buffer src;
+    int dt;
+    Py_ssize_t group;
+    if (!PyArg_ParseTuple(args, "y*in", &src, &dt, &group)) return NULL;
+    PyObject *result = NULL, *stored = NULL;
+    uint8_t *scratch = NULL;
+    int es = dt_size(dt);
+    if (dt < DT_BF16 || dt > DT_F32 || group < 1 || src.len % es
+        || (src.len / es) % group) {
+        PyErr_SetString(PyExc_ValueError, "payload is not whole groups of bf16/f16/f32 values");
+        goto out;
+    }
+    size_t n = (size_t)src.len / es, groups = n / (size_t)group;
+    stored = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n + 4 * groups));
+    scratch = malloc((size_t)group * es + 1);
+    if (!stored || !scratch) {
+        if (stored) PyErr_NoMemory();
+        goto out;
+    }
+    int8_t *codes = (int8_t *)PyBytes_AS_STRING(stored);
+    uint8_t *scales = (uint8_t *)PyBytes_AS_STRING(stored) + n;
+    const uint8_t *x = src.buf;
+    int finite = 1;
+    uint64_t digest = 0;
+    Py_BEGIN_ALLOW_THREADS
+    XXH3_state_t *xs = XXH3_createState();
+    if (xs) XXH3_64bits_reset(xs);
+    for (size_t g = 0; g < groups && finite && xs; g++) {
+        size_t at = g * (size_t)group;
+        float amax = 0.0f;
+        for (size_t i = 0; i < (size_t)group; i++) {
+            float v = load_elem(x + (at + i) * es, dt), a = v < 0 ? -v : v;
+            if (!(a <= 3.0e38f)) finite = 0; /* NaN or infinite */
+            if (a > amax) amax = a;
+        }
+        float sc = amax / 127.0f;
+        memcpy(scales + 4 * g, &sc, 4);
+        for (size_t i = 0; i < (size_t)group; i++) {
+            float v = sc > 0 ? load_elem(x + (at + i) * es, dt) / sc : 0.0f;
+            long q = lrintf(v);
+            codes[at + i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+        }
+        dequant_run(codes, scales, at, (size_t)group, (size_t)group, dt, scratch);
+        XXH3_64bits_update(xs, scratch, (size_t)group * es);
+    }
+    if (xs) {
+        digest = XXH3_64bits_digest(xs);
+        XXH3_freeState(xs);
+    } else finite = -1;
+    Py_END_ALLOW_THREADS
+    if (finite < 0) PyErr_NoMemory();
+    else if (!finite) {
+        result = Py_None;
+        Py_INCREF(result);
+    } else result = Py_BuildValue("OK", stored, (unsigned long long)digest);
+out:
+    Py_XDECREF(stored);
+    free(scratch);
+    PyBuffer_Release(&src);
+    return result;
+}
+
+static int run_dequant(const uint8_t *s, size_t slen, int dt, size_t group, Dest *dest,
+                       size_t n, uint64_t *digest) {
+    int es = dt_size(dt);
+    if (n % (size_t)es) return BAD_LENGTH;
+    size_t elems = n / es;
+    if (elems % group || slen != elems + 4 * (elems / group)) return BAD_LENGTH;
+    const int8_t *codes = (const int8_t *)s;
+    const uint8_t *scales = s + elems;
+    uint8_t *dst = dest->nparts == 1 ? dest->buf[0] : NULL;
+    uint8_t *scratch = dst ? NULL : malloc((size_t)QSTEP * es);
+    XXH3_state_t *xs = XXH3_createState();
+    int rc = OK;
+    if ((!dst && !scratch) || !xs) {
+        rc = NO_MEMORY;
+        goto done;
+    }
+    XXH3_64bits_reset(xs);
+    for (size_t first = 0; first < elems; first += QSTEP) {
+        size_t len = elems - first < QSTEP ? elems - first : QSTEP;
+        uint8_t *out = dst ? dst + first * es : scratch;
+        dequant_run(codes, scales, first, len, group, dt, out);
+        XXH3_64bits_update(xs, out, len * es);
+        if (!dst) dest_write(dest, out, len * es);
+    }
+    *digest = XXH3_64bits_digest(xs);
+done:
+    free(scratch);
+    XXH3_freeState(xs);
+    return rc;
+}
+
+/* dequantize(stored, dtype, group, dest) -> (verdict, xxh3_64 of what was written to dest);
+ * dest as for decode(). */
+static PyObject *dequantize(PyObject *self, PyObject *args) {
+    Py_buffer s;
+    PyObject *target;
+    int dt;
+    Py_ssize_t group;
+    if (!PyArg_ParseTuple(args, "y*inO", &s, &dt, &group, &target)) return NULL;
+    PyObject *result = NULL, *seq = NULL;
+    Py_buffer *views = NULL;
+    uint8_t **bufs = NULL;
+    size_t *lens = NULL, total = 0;
+    int held = 0, nparts = 1;
+    if (dt < DT_BF16 || dt > DT_F32 || group < 1) {
+        PyErr_SetString(PyExc_ValueError, "dtype must be 1..3 and group positive");
+        goto out;
+    }
+    if (PyList_Check(target) || PyTuple_Check(target)) {
+        seq = PySequence_Fast(target, "dest");
+        if (!seq) goto out;
+        nparts = (int)PySequence_Fast_GET_SIZE(seq);
+        if (nparts < 1) {
+            PyErr_SetString(PyExc_ValueError, "dest has no parts");
+            goto out;
+        }
+    }
+    views = calloc((size_t)nparts, sizeof *views);
+    bufs = calloc((size_t)nparts, sizeof *bufs);
+    lens = calloc((size_t)nparts, sizeof *lens);
+    if (!views || !bufs || !lens) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (; held < nparts; held++) {
+        PyObject *o = seq ? PySequence_Fast_GET_ITEM(seq, held) : target;
+        if (PyObject_GetBuffer(o, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            goto out;
+        bufs[held] = views[held].buf;
+        lens[held] = (size_t)views[held].len;
+        total += lens[held];
+    }
+    {
+        Dest d = {nparts, bufs, lens, 0, 0};
+        uint64_t digest = 0;
+        int rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = run_dequant(s.buf, (size_t)s.len, dt, (size_t)group, &d, total, &digest);
+        Py_END_ALLOW_THREADS
+        if (rc == NO_MEMORY) PyErr_NoMemory();
+        else result = Py_BuildValue("iK", rc, (unsigned long long)digest);
+    }
+out:
+    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
+    free(views);
+    free(bufs);
+    free(lens);
+    Py_XDECREF(seq);
+    PyBuffer_Release(&s);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS,
      "encode(payload, k, chunk, level, keep) -> stored bytes, or None where it does not pay."},
     {"decode", decode, METH_VARARGS,
      "decode(stored, k, chunk, dest) -> (verdict, xxh3_64 of dest); verdict 0 is sound."},
+    {"quantize", quantize, METH_VARARGS,
+     "quantize(payload, dtype, group) -> (stored, xxh3_64 of the decoded payload) or None."},
+    {"dequantize", dequantize, METH_VARARGS,
+     "dequantize(stored, dtype, group, dest) -> (verdict, xxh3_64 of dest)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -37,9 +37,14 @@ SUMS_VERSION = 2
 #: The block file version of an encoded block (a codec's stored bytes in place of the payload).
 ENCODED_VERSION = 3
 BLOCK_VERSIONS = (FORMAT_VERSION, SUMS_VERSION, ENCODED_VERSION)
-#: Codec ids (version 3). 1: byte planes, each stored as is or as zstd frames (kvfs.codec).
+#: Codec ids (version 3). 1: byte planes, each stored as is or as zstd frames (kvfs.codec);
+#: 2: int8 codes with one float32 scale per group of ``chunk`` elements (lossy: only in a
+#: namespace whose model fingerprint names it).
 CODEC_PLANES = 1
-CODECS = {CODEC_PLANES: "planes-zstd"}
+CODEC_INT8 = 2
+CODECS = {CODEC_PLANES: "planes-zstd", CODEC_INT8: "int8"}
+#: The dtypes the int8 codec takes.
+INT8_DTYPES = ("bfloat16", "float16", "float32")
 #: The largest chunk (elements per zstd frame) a version 3 header may name.
 MAX_CHUNK = 1 << 26
 MAX_NDIM = 8
@@ -230,7 +235,15 @@ def _validate_encoding(e: Encoding, h: BlockHeader) -> None:
         raise BlockFormatError("header", f"element size {e.element_size} for {h.dtype}")
     if not 1 <= e.chunk <= MAX_CHUNK:
         raise BlockFormatError("header", f"chunk {e.chunk} not in 1..{MAX_CHUNK}")
-    if not 8 * e.element_size <= e.stored_len <= h.payload_len:
+    if e.codec == CODEC_INT8:
+        elems = h.payload_len // e.element_size
+        if h.dtype not in INT8_DTYPES or elems % e.chunk:
+            raise BlockFormatError("header", f"int8 groups of {e.chunk} for {elems} "
+                                   f"{h.dtype} values")
+        if e.stored_len != elems + 4 * (elems // e.chunk):
+            raise BlockFormatError("header", f"stored length {e.stored_len} for {elems} int8 "
+                                   f"codes in groups of {e.chunk}")
+    elif not 8 * e.element_size <= e.stored_len <= h.payload_len:
         raise BlockFormatError("header", f"stored length {e.stored_len} for a "
                                f"{h.payload_len}-byte payload")
     if not 0 <= e.stored_checksum <= _U64_MAX:

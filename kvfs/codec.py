@@ -19,7 +19,16 @@ threads decode its blocks side by side. Where it is not built, blocks are stored
 stored encoded blocks are decoded with python-zstandard (about half the speed).
 
 Where bytes cost more than CPU (the cold and shared tiers: kvfs.tiers.mover) blocks are
-stored encoded by default; the hot tier keeps them as is.
+stored encoded by default; the hot tier keeps them as saved, and clients encode the blocks
+they save there where the mount says so (``--hot-codec planes``).
+
+One lossy codec, ``int8``, by choice of a namespace: each group of ``head_dim`` values (one
+(token, head) row of a layer's K or V) becomes int8 codes and one float32 scale (max |x| /
+127), 1.9x fewer bytes for 16-bit KV. It changes the KV, so it is part of the model
+fingerprint (:data:`SPEC_KEY` in ``ModelSpec.extras``): a lossy namespace is another
+namespace and never serves a reader that asked for exact KV. A lossy block's header checksum
+is that of its decoded payload (the codes times their scales, as this module defines them),
+so it is checked on every decode like a lossless one's.
 """
 
 from __future__ import annotations
@@ -46,8 +55,12 @@ CHUNK = 1 << 16
 LEVEL = 1
 #: A block is stored encoded only if that takes less than this fraction of its bytes.
 KEEP = 0.95
-#: The codec names a tier may be given (``--tier-codec``).
+#: The codec names a tier may be given (``--tier-codec``, ``--hot-codec``).
 NAMES = ("planes", "none")
+#: The lossy codecs a namespace may choose, and the ``ModelSpec.extras`` key that names one.
+LOSSY = ("int8",)
+SPEC_KEY = "kv_codec"
+_INT8_DTYPE = {"bfloat16": 1, "float16": 2, "float32": 3}
 
 _VERDICTS = {1: "plane table", 2: "zstd frame", 3: "decoded length"}
 _LEN_MASK = (1 << 48) - 1
@@ -68,14 +81,28 @@ def encode_payload(payload: object, element_size: int, *, level: int = LEVEL,
     return _codec.encode(payload, element_size, CHUNK, level, keep)  # type: ignore[no-any-return]
 
 
-def encode_file(data: Any, *, level: int = LEVEL, keep: float = KEEP) -> bytes | None:
-    """A whole block file (version 1 or 2, checked first) as a version 3 file, or None where
-    it stays as is: the encoder is not built, the block does not shrink below ``keep``, or
-    it is encoded already. Raises BlockFormatError for a file that is not a sound block."""
-    h, payload = blockfile.decode(data)
-    if h.encoding is not None or _codec is None:
+def encode_block(h: BlockHeader, payload: Any, name: str = "planes", *, level: int = LEVEL,
+                 keep: float = KEEP) -> tuple[BlockHeader, bytes] | None:
+    """Block ``h`` (a raw header: its checksum is ``payload``'s) encoded with codec ``name``
+    ("planes" or "int8"): its version 3 header and stored bytes, or None where it stays as
+    is (the encoder is not built; planes: the file does not shrink below ``keep``; int8: a
+    dtype it does not take, or a value that is not finite)."""
+    if _codec is None or h.encoding is not None:
         return None
     k = blockfile.DTYPE_SIZES[h.dtype]
+    if name == "int8":
+        dt = _INT8_DTYPE.get(h.dtype)
+        if dt is None or not h.shape:
+            return None
+        got = _codec.quantize(payload, dt, h.shape[-1])
+        if got is None:
+            return None
+        stored, digest = got
+        enc = Encoding(blockfile.CODEC_INT8, k, h.shape[-1], len(stored),
+                       xxhash.xxh3_64_intdigest(stored))
+        return replace(h, checksum=digest, sums=None, encoding=enc), stored
+    if name != "planes":
+        raise ValueError(f"unknown codec {name!r} (one of: planes, {', '.join(LOSSY)})")
     stored = encode_payload(payload, k, level=level, keep=keep)
     # What counts is the file: stored bytes are padded to a page as a payload is.
     if stored is None or (blockfile.padded_size(len(stored))
@@ -83,8 +110,29 @@ def encode_file(data: Any, *, level: int = LEVEL, keep: float = KEEP) -> bytes |
         return None
     enc = Encoding(blockfile.CODEC_PLANES, k, CHUNK, len(stored),
                    xxhash.xxh3_64_intdigest(stored))
-    pad = bytes(blockfile.padded_size(len(stored)) - len(stored))
-    return b"".join((blockfile.encode_header(replace(h, encoding=enc)), stored, pad))
+    return replace(h, encoding=enc), stored
+
+
+def file_parts(h: BlockHeader, stored: Any) -> tuple[bytes, Any, bytes]:
+    """A version 3 block's file: header, stored bytes, zero padding."""
+    return (blockfile.encode_header(h), stored,
+            bytes(blockfile.padded_size(len(stored)) - len(stored)))
+
+
+def encode_file(data: Any, *, level: int = LEVEL, keep: float = KEEP) -> bytes | None:
+    """A whole block file (version 1 or 2, checked first) as a version 3 file (planes), or
+    None where it stays as is: the encoder is not built, the block does not shrink below
+    ``keep``, or it is encoded already. Raises BlockFormatError for a file that is not a
+    sound block."""
+    h, payload = blockfile.decode(data)
+    got = encode_block(h, payload, level=level, keep=keep)
+    return None if got is None else b"".join(file_parts(*got))
+
+
+def is_lossy(h: BlockHeader) -> bool:
+    """Whether block ``h`` is stored with a lossy codec (decoding does not give back the
+    payload it was saved from, so it is never decoded into a raw file)."""
+    return h.encoding is not None and h.encoding.codec == blockfile.CODEC_INT8
 
 
 def decode_file(data: Any) -> bytes:
@@ -109,7 +157,15 @@ def decode_payload(h: BlockHeader, stored: Any, dest: Any = None) -> Any:
     assert e is not None
     blockfile.verify_stored(h, stored)
     out = bytearray(h.payload_len) if dest is None else dest
-    if _codec is not None:
+    if e.codec == blockfile.CODEC_INT8:
+        if _codec is not None:
+            verdict, digest = _codec.dequantize(stored, _INT8_DTYPE[h.dtype], e.chunk, out)
+            if verdict:
+                raise BlockFormatError("codec", f"bad int8 codes in a {e.stored_len}-byte "
+                                       "stored block")
+        else:
+            digest = _py_dequantize(stored, h, out)
+    elif _codec is not None:
         verdict, digest = _codec.decode(stored, e.element_size, e.chunk, out)
         if verdict:
             raise BlockFormatError("codec", f"bad {_VERDICTS.get(verdict, verdict)} in a "
@@ -152,6 +208,29 @@ def _py_decode(stored: Any, e: Encoding, dest: Any, n: int) -> int:
         at += length
     if at != mv.nbytes:
         raise BlockFormatError("codec", "bad plane table")
+    parts = dest if isinstance(dest, list | tuple) else [dest]
+    off = 0
+    for part in parts:
+        v = memoryview(part).cast("B")
+        v[:] = out[off:off + v.nbytes]
+        off += v.nbytes
+    return xxhash.xxh3_64_intdigest(out)
+
+
+def _py_dequantize(stored: Any, h: BlockHeader, dest: Any) -> int:
+    """The int8 decoder without kvfs._codec: torch (the client has it), the same rounding."""
+    try:
+        import torch
+    except ImportError:
+        raise BlockFormatError("codec", "an int8 block, and neither kvfs._codec nor torch "
+                               "is installed to decode it") from None
+    e = h.encoding
+    assert e is not None
+    n = h.payload_len // e.element_size
+    mv = bytearray(stored)  # writable: torch takes no read-only buffer without a warning
+    codes = torch.frombuffer(mv, dtype=torch.int8, count=n).float()
+    scales = torch.frombuffer(mv, dtype=torch.float32, offset=n).repeat_interleave(e.chunk)
+    out = memoryview((codes * scales).to(getattr(torch, h.dtype)).view(torch.uint8).numpy())
     parts = dest if isinstance(dest, list | tuple) else [dest]
     off = 0
     for part in parts:

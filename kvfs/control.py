@@ -61,6 +61,8 @@ GRANT_REPLY = b"user.kvfs.grant."
 TIER = b"user.kvfs.tier"  #: the tier that holds a file: hot or a lower tier's name
 BACKING = b"user.kvfs.backing"  #: the node's path in the backing tree (the direct path)
 TIERS = b"user.kvfs.tiers"  #: on a directory: the lower tiers' names, comma-separated
+#: On a directory: how clients store the blocks they save in the hot tier ("planes", "none").
+CODEC = b"user.kvfs.codec"
 BLOCK_HASH = b"user.kvfs.block_hash"  #: a block's own hash, hex
 PARENT_HASH = b"user.kvfs.parent_hash"  #: the hash of the block before it in the chain, hex
 USED = b"user.kvfs.used"  #: on a tenant directory: bytes it holds

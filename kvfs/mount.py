@@ -59,6 +59,7 @@ class MountOptions:
     fetch_timeout: float | None = DEFAULTS["fetch_timeout"]
     tier_cooldown: float = DEFAULTS["tier_cooldown"]
     tier_codec: str = DEFAULTS["tier_codec"]
+    hot_codec: str = DEFAULTS["hot_codec"]
     metrics: str | None = DEFAULTS["metrics"]
     audit: str | None = DEFAULTS["audit"]
     writeback_cache: bool = DEFAULTS["writeback_cache"]
@@ -176,7 +177,7 @@ def make_tiering(opts: MountOptions) -> Tiering | None:
         return None
     return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
                    fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
-                   encode=opts.tier_codec == "planes")
+                   encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none")
 
 
 def mount_options(debug: bool) -> set[str]:
@@ -201,7 +202,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
                      capacity=opts.capacity, policy=opts.policy,
                      high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
-                     scan_interval=opts.scan_interval, policy_entries=opts.policy_entries)
+                     scan_interval=opts.scan_interval, policy_entries=opts.policy_entries,
+                     hot_codec=opts.hot_codec)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
     tiering = make_tiering(opts)
     audit = Audit(opts.audit) if opts.audit else None

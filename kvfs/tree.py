@@ -130,6 +130,8 @@ class MountInfo:
     #: Files whose eviction state the policies keep in memory, all tenants together; the
     #: rest wait in the index in access order and are evicted first (bounded memory).
     policy_entries: int = DEFAULTS["policy_entries"]
+    #: How clients store the blocks they save in the hot tier (kvfs.codec.NAMES).
+    hot_codec: str = DEFAULTS["hot_codec"]
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 

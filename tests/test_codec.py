@@ -218,3 +218,80 @@ def test_the_format_vector_decodes(monkeypatch, native: bool) -> None:
     h, got = bf.decode(f)
     assert h.encoding == bf.Encoding(1, 2, 65536, 97, 0x93F91029EEFEF5ED)
     assert bytes(got) == payload and codec.decode_file(f) == raw
+
+
+# -- int8 (lossy, by a namespace's choice) ---------------------------------------------------
+
+
+def int8_block(payload: bytes, group: int = 64, dtype: str = "bfloat16"
+               ) -> tuple[bf.BlockHeader, bytes]:
+    k = bf.DTYPE_SIZES[dtype]
+    h = bf.make_header(**ARGS, dtype=dtype, shape=(len(payload) // k // group, group),
+                       payload=payload)
+    got = codec.encode_block(h, payload, "int8")
+    assert got is not None
+    return got
+
+
+@needs_codec
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_int8_decodes_as_torch_computes_it(monkeypatch, dtype: str) -> None:
+    """The C decoder and the torch one give the same bytes and checksum; the codes and
+    scales are max |x| / 127 per group; a block file of them decodes in blockfile.decode."""
+    torch = pytest.importorskip("torch")
+    x = (torch.randn(64, 64, generator=torch.Generator().manual_seed(5)) * 2).to(
+        getattr(torch, dtype))
+    x[3] = 0  # an all-zero group: scale 0, codes 0
+    payload = x.view(torch.uint8).numpy().tobytes()
+    h, stored = int8_block(payload, dtype=dtype)
+    assert h.version == bf.ENCODED_VERSION and h.sums is None
+    assert len(stored) == 64 * 64 + 4 * 64
+    native = bytearray(h.payload_len)
+    codec.decode_payload(h, stored, native)
+    monkeypatch.setattr(codec, "_codec", None)
+    fallback = bytearray(h.payload_len)
+    codec.decode_payload(h, stored, fallback)
+    assert native == fallback
+    y = torch.frombuffer(native, dtype=x.dtype).view(x.shape)
+    f = x.float()
+    s = f.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(s > 0, f / torch.where(s > 0, s, 1), 0).round().clamp(-127, 127)
+    assert torch.equal(y, (q * s).to(x.dtype)) and not y[3].any()
+    monkeypatch.undo()
+    data = b"".join(codec.file_parts(h, stored))
+    assert bytes(bf.decode(data)[1]) == bytes(native)
+    parts = [bytearray(1000), bytearray(h.payload_len - 1000)]  # into parts, in order
+    codec.decode_payload(h, stored, parts)
+    assert parts[0] + parts[1] == native
+
+
+@needs_codec
+def test_int8_refuses_what_it_cannot_hold_and_what_is_forged() -> None:
+    torch = pytest.importorskip("torch")
+    x = torch.randn(8, 64).to(torch.bfloat16)
+    x[2, 5] = float("inf")
+    payload = x.view(torch.uint8).numpy().tobytes()
+    h = bf.make_header(**ARGS, dtype="bfloat16", shape=(8, 64), payload=payload)
+    assert codec.encode_block(h, payload, "int8") is None  # stored as is, exact
+    h8 = bf.make_header(**ARGS, dtype="uint8", shape=(8, 64), payload=bytes(512))
+    assert codec.encode_block(h8, bytes(512), "int8") is None  # not a float dtype
+    x[2, 5] = 1
+    payload = x.view(torch.uint8).numpy().tobytes()
+    h3, stored = int8_block(payload)
+    data = b"".join(codec.file_parts(h3, stored))
+    flipped = bytearray(data)
+    flipped[bf.HEADER_SIZE + 7] ^= 0x10  # one code: the stored checksum
+    with pytest.raises(bf.BlockFormatError, match="checksum"):
+        bf.decode(flipped)
+    from dataclasses import replace
+    for field, value, why in ((8, 48, "groups of 48"), (16, len(stored) - 4, "stored length")):
+        forged = bytearray(bf.encode_header(h3))  # a forger's header, checksum made right
+        off = bf._ENC_OFF + field
+        forged[off:off + (4 if field == 8 else 8)] = value.to_bytes(4 if field == 8 else 8,
+                                                                    "little")
+        with pytest.raises(bf.BlockFormatError, match=why):
+            bf.decode_header(reseal(forged))
+    wrong = replace(h3, checksum=h3.checksum ^ 1)  # a decoder that computes other values
+    with pytest.raises(bf.BlockFormatError, match="checksum"):
+        bf.decode(b"".join(codec.file_parts(wrong, stored)))
+

@@ -21,6 +21,7 @@ OTHER = {
     "low_watermark": 0.7, "policy": "s3fifo", "scan_interval": 0.25, "policy_entries": 7,
     "cold": "dir:///hdd/kv", "shared": "s3://kv/p?region=x&endpoint=http://h:1",
     "write_through": False, "fetch_timeout": 2.5, "tier_cooldown": 0.0, "tier_codec": "none",
+    "hot_codec": "planes",
     "metrics": "127.0.0.1:9464", "audit": "/var/log/a b.jsonl", "log": "/var/log/d.log",
     "io_threads": 5, "writeback_cache": True, "passthrough": False, "keep_cache": False,
     "debug": True,

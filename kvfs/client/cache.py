@@ -37,7 +37,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .. import blockfile, control
+from .. import blockfile, codec, control
 from ..hashing import ModelSpec
 from ..hashing import block_hashes as _block_hashes
 from ..layout import MANIFEST as _MANIFEST
@@ -55,6 +55,7 @@ log = logging.getLogger(__name__)
 MANIFEST = os.fsdecode(_MANIFEST)
 BACKING_XATTR = os.fsdecode(control.BACKING)
 TIERS_XATTR = os.fsdecode(control.TIERS)
+CODEC_XATTR = os.fsdecode(control.CODEC)
 #: Threads of a load's GETs from a shared tier.
 REMOTE_THREADS = 32
 #: The soft open-file limit a client raises itself to (within the hard limit).
@@ -84,6 +85,28 @@ def _handout(data_dir: str) -> remote.Handout | None:
     except OSError:
         return None
     return remote.Handout(path, frozenset({0, owner}))
+
+
+def _save_codec(ns_dir: str, spec: ModelSpec) -> str | None:
+    """How this client stores the blocks it saves: the namespace's lossy codec (part of its
+    spec), else the mount's hot-tier codec (``user.kvfs.codec``); None: as they are."""
+    lossy = spec.extras.get(codec.SPEC_KEY)
+    if lossy is not None:
+        if lossy not in codec.LOSSY:
+            raise ValueError(f"{codec.SPEC_KEY}={lossy!r}: not a lossy codec kvfs has (one of "
+                             f"{', '.join(codec.LOSSY)})")
+        if spec.kv_dtype not in blockfile.INT8_DTYPES:
+            raise ValueError(f"{codec.SPEC_KEY}={lossy!r} takes {', '.join(blockfile.INT8_DTYPES)}"
+                             f" KV, not {spec.kv_dtype}")
+        if not codec.available():
+            raise ValueError(f"{codec.SPEC_KEY}={lossy!r}: kvfs._codec is not built in this "
+                             "install (reinstall kvfs with a C compiler and libzstd-dev)")
+        return lossy
+    try:
+        hot = os.getxattr(ns_dir, CODEC_XATTR).decode()
+    except OSError:
+        return None
+    return hot if hot in codec.NAMES and hot != "none" and codec.available() else None
 
 
 class SpecMismatch(ValueError):
@@ -151,6 +174,7 @@ class KVCache(Saving, Loading):
         # A directory tier's files may be handed to this process by the daemon, where it
         # reads the backing tree itself (kvfs.handout).
         self._handout = _handout(data_dir) if direct and self.tiers else None
+        self.codec = _save_codec(ns_dir, spec)
         _raise_fd_limit()
 
     # -- opening -------------------------------------------------------------------------

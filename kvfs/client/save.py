@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import blockfile, control, devsum
+from .. import blockfile, codec, control, devsum
 from ..hashing import ROOT_PARENT
 from ..layout import TEMP_PREFIX
 from ..transport import (
@@ -88,6 +88,8 @@ class Saving(Layouts):
     #: Block files written by kvfs._fastread.write_block where it is built (False: the
     #: writes in Python, which it must agree with; the tests compare the two).
     _native_writes = True
+    #: How saved blocks are stored (kvfs.codec: "planes", "int8"; None: as they are).
+    codec: str | None = None
 
     def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
              parent: bytes | None = None) -> int:
@@ -213,6 +215,19 @@ class Saving(Layouts):
         final = self.path(h)
         fan = os.path.dirname(final)
         tmp = os.path.join(fan, f"{_TEMP}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}")
+        if self.codec is not None and plen:
+            # Encoded (the namespace's lossy codec, or the mount's hot-tier codec): the
+            # payload gathered, encoded, and the smaller file written as one.
+            payload = views[0] if len(views) == 1 else b"".join(views)
+            csum = checksum([memoryview(payload)])
+            _expected(csum, expect, tmp)
+            raw = blockfile.decode_header(header(csum))
+            got = codec.encode_block(raw, payload, self.codec)
+            if got is None:  # it does not pay (or a value int8 cannot hold): as it is
+                parts = [header(csum), memoryview(payload), pad]
+            else:
+                parts = [memoryview(p) for p in codec.file_parts(*got)]
+            return self._write_file(tmp, final, fan, parts)
         if _write_native is not None and self._native_writes and plen:
             # One call, the GIL released: create (and the fan-out directory if new), hash and
             # write the payload, the header with its checksum, the padding, rename; the
@@ -245,6 +260,24 @@ class Saving(Layouts):
                 os.unlink(tmp)
             raise
         return blockfile.HEADER_SIZE + plen + len(pad)
+
+    def _write_file(self, tmp: str, final: str, fan: str, parts: list[memoryview]) -> int:
+        """Write ``parts`` as a new file ``tmp`` and rename it to ``final``: its size."""
+        os.makedirs(fan, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                pwritev_all(fd, parts, 0)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, final)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return sum(p.nbytes for p in parts)
 
     def save_async(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
                    parent: bytes | None = None) -> bool:
@@ -290,7 +323,14 @@ class Saving(Layouts):
         if its payload still has checksum ``expects[i]`` (the caller may have reused the
         memory meanwhile) and only as many as the hot tier has room for. False if the queue
         was full (nothing queued)."""
-        if self._closed or not hashes or not self._save_slots.acquire(blocking=False):
+        if self._closed or not hashes:
+            return False
+        if self.codec in codec.LOSSY:
+            # Decoded lossy KV is not what was saved (encoding it again would change it):
+            # the daemon places these blocks' hot copies as it fetches them, still encoded.
+            self._channel.report(control.PREFETCH, control.pack_hashes(hashes))
+            return True
+        if not self._save_slots.acquire(blocking=False):
             return False
         with self._lock:
             if self._writer is None:

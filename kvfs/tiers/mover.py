@@ -163,15 +163,17 @@ def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, in
     return tier.put(key, src), raw, raw
 
 
-def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int]) -> Fetched:
+def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
+            decode: bool = True) -> Fetched:
     """Thread: check a fetched temporary, ready to be renamed into its hot path; an encoded
-    block is decoded into it (the hot tier holds blocks as saved)."""
+    block is decoded into it where ``decode`` (the hot tier holds blocks as saved: a mount
+    whose clients save them encoded keeps them so), never a lossy one (it was saved so)."""
     with open(tmp, "rb") as f:
         data = f.read()
     hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
     blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
     moved = len(data)
-    if hdr.encoding is not None:
+    if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
         data = codec.raw_file(hdr, payload)
         hdr = replace(hdr, encoding=None)
         with open(tmp, "r+b") as f:
@@ -189,8 +191,10 @@ class Tiering:
     def __init__(self, tiers: list[Tier], limiter: trio.CapacityLimiter, *,
                  write_through: bool = True, fetch_timeout: float | None = None,
                  breaker_threshold: int = 3, breaker_cooldown: float = 10.0,
-                 encode: bool = True) -> None:
+                 encode: bool = True, hot_encoded: bool = False) -> None:
         self.tiers = tiers
+        #: Clients save blocks encoded in the hot tier: fetched ones are kept encoded too.
+        self.hot_encoded = hot_encoded
         #: Blocks put below are encoded where that pays (kvfs.codec; and it is built).
         self.encode = encode and codec.available()
         self.limiter = limiter
@@ -290,7 +294,8 @@ class Tiering:
                 try:
                     if not tier.get(key, tmp):
                         return None
-                    return handoff.place(tmp, put, _verify(tmp, name, key, owner))
+                    fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded)
+                    return handoff.place(tmp, put, fetched)
                 finally:
                     if os.path.exists(tmp):
                         os.unlink(tmp)
