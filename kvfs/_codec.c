@@ -357,7 +357,8 @@ static void store_elem(uint8_t *p, float f, int dt) {
     }
 }
 
-/* Decode codes[first .. first+len) into out (len elements of dt). */
+/* Decode codes[first .. first+len) into out (len elements of dt): one loop per dtype, each
+ * simple enough for the compiler to vectorize. */
 static void dequant_run(const int8_t *codes, const uint8_t *scales, size_t first, size_t len,
                         size_t group, int dt, uint8_t *out) {
     int es = dt_size(dt);
@@ -366,7 +367,25 @@ static void dequant_run(const int8_t *codes, const uint8_t *scales, size_t first
         size_t g = i / group, stop = (g + 1) * group < end ? (g + 1) * group : end;
         float sc;
         memcpy(&sc, scales + 4 * g, 4);
-        for (; i < stop; i++) store_elem(out + (i - first) * es, (float)codes[i] * sc, dt);
+        uint8_t *o = out + (i - first) * es;
+        const int8_t *c = codes + i;
+        size_t m = stop - i;
+        if (dt == DT_BF16) {
+            uint16_t tmp[256];
+            for (size_t a = 0; a < m; a += 256) {
+                size_t b = m - a < 256 ? m - a : 256;
+                for (size_t j = 0; j < b; j++) {
+                    float f = (float)c[a + j] * sc;
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    tmp[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                }
+                memcpy(o + 2 * a, tmp, 2 * b); /* little-endian hosts, as the format */
+            }
+        } else {
+            for (size_t j = 0; j < m; j++) store_elem(o + j * es, (float)c[j] * sc, dt);
+        }
+        i = stop;
     }
 }
 
@@ -387,7 +406,7 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     }
     size_t n = (size_t)src.len / es, groups = n / (size_t)group;
     stored = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n + 4 * groups));
-    scratch = malloc((size_t)group * es + 1);
+    scratch = malloc((size_t)group * (es + 4) + 1); /* the decoded group, its floats */
     if (!stored || !scratch) {
         if (stored) PyErr_NoMemory();
         goto out;
@@ -402,18 +421,30 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     if (xs) XXH3_64bits_reset(xs);
     for (size_t g = 0; g < groups && finite && xs; g++) {
         size_t at = g * (size_t)group;
-        float amax = 0.0f;
-        for (size_t i = 0; i < (size_t)group; i++) {
-            float v = load_elem(x + (at + i) * es, dt), a = v < 0 ? -v : v;
-            if (!(a <= 3.0e38f)) finite = 0; /* NaN or infinite */
-            if (a > amax) amax = a;
+        float *fx = (float *)(scratch + (size_t)group * es), amax = 0.0f;
+        if (dt == DT_BF16) {
+            for (size_t i = 0; i < (size_t)group; i++) {
+                uint32_t u = (uint32_t)(x[2 * (at + i)] | (x[2 * (at + i) + 1] << 8)) << 16;
+                memcpy(&fx[i], &u, 4);
+            }
+        } else {
+            for (size_t i = 0; i < (size_t)group; i++) fx[i] = load_elem(x + (at + i) * es, dt);
         }
+        for (size_t i = 0; i < (size_t)group; i++) {
+            float a = fabsf(fx[i]);
+            amax = a > amax ? a : amax;
+        }
+        for (size_t i = 0; i < (size_t)group; i++)
+            if (!(fabsf(fx[i]) <= 3.0e38f)) finite = 0; /* NaN or infinite */
         float sc = amax / 127.0f;
         memcpy(scales + 4 * g, &sc, 4);
         for (size_t i = 0; i < (size_t)group; i++) {
-            float v = sc > 0 ? load_elem(x + (at + i) * es, dt) / sc : 0.0f;
-            long q = lrintf(v);
-            codes[at + i] = (int8_t)(q > 127 ? 127 : q < -127 ? -127 : q);
+            float v = sc > 0 ? fx[i] / sc : 0.0f;
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            /* to nearest even, as torch.round: adding and taking away 1.5 * 2^23 leaves
+             * the integer the float unit rounds to (|v| <= 127 is well inside) */
+            float r = v + 12582912.0f; /* (not folded away: no -ffast-math) */
+            codes[at + i] = (int8_t)(r - 12582912.0f);
         }
         dequant_run(codes, scales, at, (size_t)group, (size_t)group, dt, scratch);
         XXH3_64bits_update(xs, scratch, (size_t)group * es);

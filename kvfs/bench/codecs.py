@@ -29,6 +29,23 @@ For each source, on its blocks, one thread unless said (figures per core):
 - **encode MB/s**: ``encode_file`` (split, zstd, checksums), against zstd level 1 of the whole
   payload.
 
+The lossy codec (``int8``, by a namespace's choice) on the same blocks: its ratio, and
+decode and encode speed per core against a copy + xxh3 of the raw payloads.
+
+**Quality gate** (smollm2 source): ``--gate-prompts`` fixed prompts of the same English text
+(``--gate-tokens`` tokens each, vLLM block size 32), each served twice by a real vLLM with the
+KVFSConnector, 32 greedy tokens with the top 20 logprobs of each: first in a saving engine
+(the whole prompt computed: the **full recompute**, the reference), then in a fresh engine that
+restores the prompt's blocks from the mount and computes only the last one. The exact
+namespace and an int8 one (``kv_codec: int8``) are run so; each restore is compared with the
+reference: the share of 32-token continuations identical to it, and, at every generated
+position whose context is still the reference's (up to the first token that differs), top-1
+agreement and KL(reference || restore) of the next-token distribution over the reference's
+top 20 tokens (a token outside the restore's own top 20 taken at its 20th logprob). The
+exact restore's figures are the noise floor: bf16 attention over restored KV is computed in
+another order than a prefill's. The int8 namespace's own saving engine (a second full
+recompute) is compared with the first too.
+
 Each figure is the median of ``--repeats`` passes over all the blocks.
 """
 
@@ -74,6 +91,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-engine", dest="engine", action="store_false",
                    help="skip the vLLM source (the synthetic blocks only)")
     p.add_argument("--dir", default=".", help="where the mount and its blocks go (here)")
+    p.add_argument("--gate-prompts", type=int, default=18, dest="gate_prompts",
+                   help="prompts of the int8 quality gate (18; 0: no gate)")
+    p.add_argument("--gate-tokens", type=int, default=320, dest="gate_tokens",
+                   help="tokens of each gate prompt (320)")
 
 
 def check_args(args: argparse.Namespace) -> str | None:
@@ -163,6 +184,134 @@ def llama_blocks(n: int, seed: int = 0) -> tuple[list[bytes], str]:
 
 
 # -- measurements --------------------------------------------------------------------------------
+
+
+def int8_measure(blocks: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
+    """The int8 codec on ``blocks``: file ratio, decode and encode GB/s on one thread."""
+    from dataclasses import replace  # noqa: PLC0415
+
+    heads = [blockfile.decode_header(b) for b in blocks]
+    payloads = [memoryview(b)[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + h.payload_len]
+                for b, h in zip(blocks, heads, strict=True)]
+    got = [codec.encode_block(replace(h, sums=None), p, "int8")
+           for h, p in zip(heads, payloads, strict=True)]
+    if any(g is None for g in got):
+        return {}
+    files = sum(len(b"".join(codec.file_parts(*g))) for g in got)  # type: ignore[misc]
+    total = sum(h.payload_len for h in heads)
+    dests = [bytearray(h.payload_len) for h in heads]
+    dec = _median_s(lambda: [codec.decode_payload(g[0], g[1], d)  # type: ignore[index]
+                             for g, d in zip(got, dests, strict=True)], args.repeats)
+    enc = _median_s(lambda: [codec.encode_block(replace(h, sums=None), p, "int8")
+                             for h, p in zip(heads, payloads, strict=True)],
+                    max(1, args.repeats // 2))
+
+    def copy_hash() -> None:
+        for p, d in zip(payloads, dests, strict=True):
+            d[:] = p
+            xxhash.xxh3_64_intdigest(d)
+
+    raw = _median_s(copy_hash, args.repeats)
+    return {"ratio": sum(map(len, blocks)) / files, "decode_gbps": total / dec / 1e9,
+            "encode_gbps": total / enc / 1e9, "copy_hash_gbps": total / raw / 1e9}
+
+
+def gate_prompts(args: argparse.Namespace, work: str) -> list[str]:
+    """The gate's prompt files: consecutive pieces of the fixed text, ``--gate-tokens`` each."""
+    body = text(args.gate_prompts * args.gate_tokens + 64)
+    step = max(1, len(body) // args.gate_prompts)
+    out = []
+    for i in range(args.gate_prompts):
+        path = os.path.join(work, f"gate-{i}.json")
+        with open(path, "w") as f:
+            json.dump({"parts": [[body[i * step:], args.gate_tokens]]}, f)
+        out.append(path)
+    return out
+
+
+def compare(ref: list[dict[str, Any]], got: list[dict[str, Any]]) -> dict[str, Any]:
+    """A restore's continuations and next-token distributions against the reference's."""
+    same = kls = agree = positions = 0
+    kl_max = 0.0
+    for r, g in zip(ref, got, strict=True):
+        same += r["token_ids"] == g["token_ids"]
+        for j, (rl, gl) in enumerate(zip(r["logprobs"], g["logprobs"], strict=False)):
+            if r["token_ids"][:j] != g["token_ids"][:j]:
+                break  # the contexts differ from here on
+            theirs = dict((t, lp) for t, lp in gl)
+            floor = min(theirs.values())
+            kl = sum(math.exp(lp) * (lp - theirs.get(t, floor)) for t, lp in rl)
+            kls += max(kl, 0.0)
+            kl_max = max(kl_max, kl)
+            agree += rl[0][0] == gl[0][0]
+            positions += 1
+    n = len(ref)
+    return {"prompts": n, "identical": same, "identical_share": same / n if n else None,
+            "positions": positions, "top1": agree / positions if positions else None,
+            "kl_mean": kls / positions if positions else None, "kl_max": kl_max}
+
+
+def quality_gate(args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """The gate: exact and int8 namespaces, each saved by one engine and restored by the next."""
+    from .engine import _engine  # noqa: PLC0415
+
+    prompts = gate_prompts(args, work)
+    m = Mount.under(os.path.join(work, "gate"))
+    m.start()
+    runs: dict[str, list[dict[str, Any]]] = {}
+    restored: dict[str, int] = {}
+    try:
+        m.add_tenant("bench")
+        args.max_model_len = args.gate_tokens + 64
+        for name in ("exact", "int8"):
+            kv = ["--connector", "kvfs", "--mount", str(m.mnt), "--tenant", "bench",
+                  "--block-size", "32", "--max-tokens", "32", "--logprobs", "20",
+                  "--extra", json.dumps({"kv_codec": name, "layerwise": False})]
+            log(f"gate: {name}, saving engine (full recompute)")
+            runs[f"{name} save"] = _engine(args, work, kv, prompts)["requests"]
+            log(f"gate: {name}, restoring engine")
+            runs[name] = _engine(args, work, kv, prompts)["requests"]
+            restored[name] = sum(r["cached_tokens"] for r in runs[name])
+    finally:
+        m.stop()
+    ref = runs["exact save"]
+    tokens = sum(r["prompt_tokens"] for r in ref)
+    out = {"reference": "the exact namespace's saving engine (full recompute)",
+           "prompt_tokens": tokens}
+    for name, label in (("exact", "exact restore"), ("int8", "int8 restore"),
+                        ("int8 save", "second full recompute")):
+        out[label] = {**{k: _r(v, 6) if isinstance(v, float) else v
+                         for k, v in compare(ref, runs[name]).items()},
+                      **({"restored_tokens": restored[name]} if name in restored else {})}
+    return out
+
+
+GATE = {"kl_mean": 1e-4, "top1": 0.995, "identical_share": 0.75}
+
+
+def gate_rows(g: dict[str, Any]) -> list[dict[str, Any]]:
+    rows = []
+    floor = g["exact restore"]
+    for label in ("int8 restore", "second full recompute"):
+        x = g[label]
+        for key, unit, name in (("identical_share", "share", "32-token continuations identical"),
+                                ("top1", "share", "top-1 agreement"),
+                                ("kl_mean", "1e-6 nats", "KL, mean over positions")):
+            limit = GATE[key]
+            ok = x[key] is not None and (x[key] <= limit if key == "kl_mean" else x[key] >= limit)
+            scale = 1e6 if key == "kl_mean" else 1.0
+            rows.append({"source": "gate", "figure": f"gate: {label}: {name}",
+                         "kvfs": _r(x[key] * scale, 4) if x[key] is not None else None,
+                         "baseline": (_r(floor[key] * scale, 4)
+                                      if floor[key] is not None else None),
+                         "baseline_name": "exact restore (the noise floor)", "unit": unit,
+                         "ratio": None,
+                         "note": (f"{x['identical']}/{x['prompts']} prompts, {x['positions']} "
+                                  f"positions; target {'<=' if key == 'kl_mean' else '>='} "
+                                  f"{limit * scale:g}: {'pass' if ok else 'FAIL'}"
+                                  if label == "int8 restore" else
+                                  f"{x['identical']}/{x['prompts']} prompts")})
+    return rows
 
 
 def _median_s(fn: Callable[[], Any], repeats: int) -> float:
@@ -312,6 +461,27 @@ def run(args: argparse.Namespace) -> int:
             details[name] = {"blocks": what, **{k: _r(v) if isinstance(v, float) else v
                                                 for k, v in m.items()}}
             rows += rows_for(name, m, args.threads)
+            q = int8_measure(blocks, args)
+            if q:
+                details[name]["int8"] = {k: _r(v) for k, v in q.items()}
+                rows += [
+                    {"source": name, "figure": f"{name}: int8 stored ratio", "kvfs": _r(q["ratio"]),
+                     "baseline": _r(m["ratio"]), "baseline_name": "planes (lossless)",
+                     "unit": "x", "ratio": _r(q["ratio"] / m["ratio"]), "note": "lossy"},
+                    {"source": name, "figure": f"{name}: int8 decode, 1 thread",
+                     "kvfs": _r(q["decode_gbps"]), "baseline": _r(q["copy_hash_gbps"]),
+                     "baseline_name": "copy + xxh3 of the raw payload", "unit": "GB/s",
+                     "ratio": _r(q["decode_gbps"] / q["copy_hash_gbps"]),
+                     "note": "payload bytes; both checksums checked"},
+                    {"source": name, "figure": f"{name}: int8 encode, 1 thread",
+                     "kvfs": _r(q["encode_gbps"]), "baseline": _r(q["copy_hash_gbps"]),
+                     "baseline_name": "copy + xxh3 of the raw payload", "unit": "GB/s",
+                     "ratio": _r(q["encode_gbps"] / q["copy_hash_gbps"]), "note": ""}]
+        if args.engine and args.gate_prompts and "smollm2-135m (vLLM)" in sources:
+            log("int8 quality gate through the connector")
+            gate = quality_gate(args, work)
+            details["gate"] = gate
+            rows += gate_rows(gate)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     record = {"benchmark": "codec", "rows": rows, "sources": details, "skipped": skipped,

@@ -30,6 +30,10 @@ Extra config keys (``kv_connector_extra_config``):
   every block whole before the forward pass; absent (the default): layer by layer where the
   KV caches are in CUDA memory, whole on a CPU host (where the per-layer load competes with
   the forward pass for the cores: measured 2-10x slower on a 2-core host, no TTFT gain).
+- ``kv_codec``: ``"exact"`` (default: the KV as computed) or ``"int8"``: blocks stored as
+  int8 codes with one scale per (token, head), 1.9x more context in the same bytes, within
+  the quality gate of ``kvfs bench codec`` (docs/benchmarks.md). It is part of the
+  namespace: int8 KV never reaches an engine that asked for exact KV.
 
 How it works. The scheduler side hashes the request's prompt into kvfs block hashes
 (``kvfs.hashing.block_hashes`` with vLLM's block size, so one kvfs block is one vLLM block),

@@ -8,6 +8,7 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from kvfs import codec
 from kvfs.client import KVCache
 from kvfs.hashing import ModelSpec
 
@@ -17,7 +18,11 @@ if TYPE_CHECKING:
 
 #: Extra config keys this connector reads (any other key is refused at start).
 CONFIG_KEYS = ("mount", "tenant", "verify", "lookup_budget_s", "model_id", "revision",
-               "direct", "max_pending_saves", "layerwise")
+               "direct", "max_pending_saves", "layerwise", "kv_codec")
+#: ``kv_codec`` values: "exact" (the default: KV as the engine computed it, or as the
+#: mount's hot-tier codec stores it losslessly), or a lossy codec (kvfs.codec.LOSSY), which
+#: names another namespace.
+KV_CODECS = ("exact", "int8")
 DEFAULT_LOOKUP_BUDGET_S = 0.2
 
 
@@ -60,6 +65,7 @@ def model_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: d
     revision = extra.get("revision") or mc.revision or (_local_revision(name) if local else "")
     from vllm.platforms import current_platform
 
+    lossy = extra.get("kv_codec", "exact")
     return ModelSpec(
         model=model, revision=str(revision), kv_dtype=_dtype_name(kspec.dtype),
         block_size=int(kspec.block_size), num_layers=len(groups[0].layer_names),
@@ -67,7 +73,8 @@ def model_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: d
         tp_size=int(pc.tensor_parallel_size), tp_rank=tp_rank,
         extras={"engine": "vllm", "model_dtype": _dtype_name(mc.dtype),
                 "cache_dtype": str(cc.cache_dtype), "device": str(current_platform.device_type),
-                "kv_layout": str(kv_cache_config.kv_cache_layout or "")})
+                "kv_layout": str(kv_cache_config.kv_cache_layout or ""),
+                **({} if lossy == "exact" else {codec.SPEC_KEY: lossy})})
 
 
 
@@ -95,6 +102,9 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
         raise ConfigError("kv_connector_extra_config.direct must be true, false or absent")
     if extra.get("layerwise") not in (None, True, False):
         raise ConfigError("kv_connector_extra_config.layerwise must be true, false or absent")
+    if extra.get("kv_codec", "exact") not in KV_CODECS:
+        raise ConfigError(f"kv_connector_extra_config.kv_codec must be one of {list(KV_CODECS)}, "
+                          f"got {extra['kv_codec']!r}")
     mps = extra.get("max_pending_saves", 8)
     if isinstance(mps, bool) or not isinstance(mps, int) or mps < 1:
         raise ConfigError("kv_connector_extra_config.max_pending_saves must be an int >= 1")

@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="a prompt (JSON: token ids, or {\"parts\": [[text, max_tokens]]}); "
                         "repeat for several requests, run one after the other")
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--logprobs", type=int, default=0, metavar="N",
+                   help="record the top N logprobs of each generated token")
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--warmup", type=int, default=0, metavar="TOKENS",
@@ -144,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
               enforce_eager=True, enable_prefix_caching=not args.no_prefix_cache, **kwargs)
     start_s = time.perf_counter() - started
     # Greedy; with --max-tokens 1 a request's time is its time to first token.
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens,
+                            logprobs=args.logprobs or None)
     if args.warmup:
         vocab = llm.get_tokenizer().vocab_size
         warm = [(7919 * i + 13) % (vocab - 1000) + 500 for i in range(args.warmup)]
@@ -191,6 +194,11 @@ def main(argv: list[str] | None = None) -> int:
                         "cached_tokens": out.num_cached_tokens, "prompt_token_ids": tokens,
                         "text": out.outputs[0].text,
                         "token_ids": list(out.outputs[0].token_ids)})
+        if args.logprobs:  # per generated token: [[token id, logprob], ...], best first
+            results[-1]["logprobs"] = [
+                sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()),
+                       key=lambda x: -x[1])
+                for pos in out.outputs[0].logprobs or []]
     for r in results:
         del r["_after"]
     record: dict[str, Any] = {"connector": args.connector, "start_s": start_s,
