@@ -94,11 +94,12 @@ def encode_block(h: BlockHeader, payload: Any, name: str = "planes", *, level: i
         dt = _INT8_DTYPE.get(h.dtype)
         if dt is None or not h.shape:
             return None
-        got = _codec.quantize(payload, dt, h.shape[-1])
+        group = h.shape[-1]
+        got = _codec.quantize(payload, dt, group)
         if got is None:
             return None
         stored, digest = got
-        enc = Encoding(blockfile.CODEC_INT8, k, h.shape[-1], len(stored),
+        enc = Encoding(blockfile.CODEC_INT8, k, group, len(stored),
                        xxhash.xxh3_64_intdigest(stored))
         return replace(h, checksum=digest, sums=None, encoding=enc), stored
     if name != "planes":

@@ -585,3 +585,34 @@ def test_bench_codec_refuses_bad_arguments(tmp_path):
     for bad in (["--repeats", "0"], ["--dir", str(tmp_path / "no")]):
         res = kvfs("bench", "codec", *bad, check=False)
         assert res.returncode == 2 and res.stderr.strip(), (bad, res.stdout, res.stderr)
+
+
+@pytest.mark.mount
+def test_bench_hitrate_at_the_same_bytes_with_codecs(tmp_path):
+    """--codec: KV-like payloads, the same bytes of capacity for each codec; a codec that
+    stores blocks smaller holds more of them in those bytes, and hits more."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    from kvfs import codec
+
+    if not codec.available():
+        pytest.skip("kvfs._codec is not built")
+    out = tmp_path / "hitrate.json"
+    kvfs("bench", "hitrate", "--trace", str(TRACE), "--limit", "120",
+         "--capacity-fraction", "0.1", "--policy", "kvfs", "--block-kib", "128",
+         "--codec", "none", "--codec", "planes", "--codec", "int8",
+         "--dir", str(tmp_path), "--json", str(out))
+    rows = {r["codec"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"none", "planes", "int8"}
+    assert len({r["capacity_bytes"] for r in rows.values()}) == 1  # the same bytes
+    assert rows["none"]["file_ratio"] == 1.0
+    assert rows["planes"]["file_ratio"] > 1.25 and rows["int8"]["file_ratio"] > 1.7
+    assert (rows["int8"]["blocks_in_capacity"] > rows["planes"]["blocks_in_capacity"]
+            > rows["none"]["blocks_in_capacity"])
+    assert rows["int8"]["block_hit"] > rows["none"]["block_hit"]
+    assert rows["planes"]["block_hit"] >= rows["none"]["block_hit"]
+    assert rows["none"]["block_hit"] == rows["none"]["simulated_block_hit"]
+    res = kvfs("bench", "hitrate", "--trace", str(TRACE), "--codec", "int8", check=False)
+    assert res.returncode != 0 and "--block-kib" in res.stderr

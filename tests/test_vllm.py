@@ -261,6 +261,29 @@ def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
 
 
 @pytest.mark.mount
+def test_an_int8_namespace_is_its_own_and_restores(work, saved):
+    """kv_codec int8: another namespace (no hit on the exact blocks A saved), whose blocks
+    are int8 files; a second engine restores them; a codec kvfs lacks fails at start."""
+    from kvfs import blockfile
+
+    m, a = saved
+    first = engine(work, *kvfs_args(m.mnt, kv_codec="int8"))
+    assert first["scheduler"]["hit_blocks"] == 0
+    assert first["spec"]["extras"]["kv_codec"] == "int8"
+    assert first["namespace"] != a["namespace"]
+    files = list((m.backing / "acme" / first["namespace"]).glob("*/*.kv"))
+    assert len(files) == first["worker"]["client"]["saved_blocks"] > 0
+    for f in files:
+        hdr = blockfile.decode_header(f.read_bytes()[:blockfile.HEADER_SIZE])
+        assert hdr.encoding is not None and hdr.encoding.codec == blockfile.CODEC_INT8
+    second = engine(work, *kvfs_args(m.mnt, kv_codec="int8"))
+    assert second["requests"][0]["cached_tokens"] >= 16 * len(files) // 2
+    assert second["worker"]["client"]["corrupt_blocks"] == 0
+    res = engine(work, *kvfs_args(m.mnt, kv_codec="int4"), check=False)
+    assert res.returncode != 0 and "kv_connector_extra_config.kv_codec" in res.stderr
+
+
+@pytest.mark.mount
 def test_without_the_backing_directory_b_restores_through_the_mount(work, saved):
     m, a = saved
     mode = m.backing.stat().st_mode

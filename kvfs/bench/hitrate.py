@@ -10,6 +10,13 @@ hot-tier capacity of a fraction of the trace's distinct blocks, with no backgrou
 down (``--block-kib``; printed) so the working set fits on one machine; capacity is counted in
 blocks, all of one size. Beside each run: the offline optimum (Belady) and the same policy
 simulated in memory (`kvfs.simulate`), so the daemon's own behaviour is checked against it.
+
+With ``--codec`` (repeatable: ``none``, ``planes``, ``int8``) the payloads are KV-like
+(bfloat16 normal values, one log-normal scale per head, head_dim 64: the codec benchmark's
+synthetic source) and the capacity is the same number of *bytes* for every codec: the raw
+blocks' files at the fraction. ``planes`` mounts with ``--hot-codec planes``, ``int8`` opens
+an int8 namespace; each then holds more blocks in those bytes. The simulated and optimum
+columns use the blocks that fit those bytes at the codec's measured file size.
 """
 
 from __future__ import annotations
@@ -39,45 +46,81 @@ from .records import (
     value_text,
 )
 
+#: The codecs a replay can store its blocks with (``--codec``).
+CODECS = ("none", "planes", "int8")
+KV_HEAD_DIM = 64
 
-def _spec(block_tokens: int, block_kib: int) -> ModelSpec:
-    head_dim = max(1, block_kib * 1024 // (2 * block_tokens))
-    return ModelSpec(model="bench/hitrate", revision="1", kv_dtype="uint8",
-                     block_size=block_tokens, num_layers=1, num_kv_heads=1, head_dim=head_dim)
+
+def _spec(block_tokens: int, block_kib: int, codec: str | None = None) -> ModelSpec:
+    if codec is None:  # bytes of no meaning: zeros, one uint8 per element
+        head_dim = max(1, block_kib * 1024 // (2 * block_tokens))
+        return ModelSpec(model="bench/hitrate", revision="1", kv_dtype="uint8",
+                         block_size=block_tokens, num_layers=1, num_kv_heads=1,
+                         head_dim=head_dim)
+    heads = max(1, block_kib * 1024 // (2 * block_tokens * KV_HEAD_DIM * 2))
+    return ModelSpec(model="bench/hitrate-kv", revision="1", kv_dtype="bfloat16",
+                     block_size=block_tokens, num_layers=1, num_kv_heads=heads,
+                     head_dim=KV_HEAD_DIM,
+                     extras={"kv_codec": "int8"} if codec == "int8" else {})
+
+
+def _kv_payloads(spec: ModelSpec, n: int = 16) -> Any:
+    """``n`` KV-like blocks (bfloat16 normal values, one log-normal scale per head)."""
+    import torch  # noqa: PLC0415
+
+    g = torch.Generator().manual_seed(0)
+    shape = (n, *spec.block_shape)
+    scale = torch.exp(torch.randn((n, spec.num_layers, 2, 1, spec.num_kv_heads, 1),
+                                  generator=g) * 0.5)
+    return (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
 
 
 def replay(requests: list[Request], *, fraction: float, policy: str, workdir: str,
-           block_tokens: int = 512, block_kib: int = 4, progress: bool = True) -> dict[str, Any]:
-    """One replay through a fresh mount; returns the figures."""
+           block_tokens: int = 512, block_kib: int = 4, progress: bool = True,
+           codec: str | None = None) -> dict[str, Any]:
+    """One replay through a fresh mount; returns the figures. ``codec``: KV-like payloads
+    stored so (one of CODECS), the capacity the raw blocks' bytes at ``fraction``."""
     import torch  # noqa: PLC0415 - the client side
 
     from ..client import KVCache  # noqa: PLC0415
 
-    spec = _spec(block_tokens, block_kib)
+    spec = _spec(block_tokens, block_kib, codec)
     file_bytes = 4096 + -(-spec.block_payload_bytes // 4096) * 4096
     distinct = len({k for r in requests for k in r.hash_ids})
     blocks = max(1, round(fraction * distinct))
     capacity = blocks * file_bytes + 4096  # + the namespace's manifest
     base = tempfile.mkdtemp(prefix="kvfs-hitrate-", dir=workdir)
     m = Mount.under(base, ["--capacity", str(capacity), "--policy", policy,
-                           "--high-watermark", "1", "--low-watermark", "1"])
+                           "--high-watermark", "1", "--low-watermark", "1",
+                           *(["--hot-codec", "planes"] if codec == "planes" else [])])
     m.start()
     hits = refs = hit_tokens = tokens = 0
     start = time.monotonic()
     try:
         m.add_tenant("bench")
-        payload = torch.zeros(1, *spec.block_shape, dtype=torch.uint8)
+        pool = (torch.zeros(1, *spec.block_shape, dtype=torch.uint8) if codec is None
+                else _kv_payloads(spec))
+
+        def payloads(ids: list[int]) -> Any:
+            if codec is None:
+                return pool.expand(len(ids), *spec.block_shape).contiguous()
+            return pool[torch.tensor([k % len(pool) for k in ids])]
+
+        stored = stored_blocks = 0
         with KVCache.open(m.mnt, tenant="bench", spec=spec) as cache:
             for i, req in enumerate(requests):
                 ids = req.hash_ids
                 hashes = cache.block_hashes([t for t in ids for _ in range(block_tokens)])
                 n = cache.lookup(hashes)
                 if n:
-                    cache.load(hashes[:n], payload.expand(n, *spec.block_shape).contiguous())
+                    cache.load(hashes[:n], torch.empty((n, *spec.block_shape),
+                                                       dtype=pool.dtype))
                 if n < len(hashes):
-                    rest = len(hashes) - n
-                    cache.save(hashes[n:], payload.expand(rest, *spec.block_shape).contiguous(),
-                               parent=hashes[n - 1] if n else None)
+                    before = cache.stats["written_bytes"]
+                    wrote = cache.save(hashes[n:], payloads(ids[n:]),
+                                       parent=hashes[n - 1] if n else None)
+                    stored += cache.stats["written_bytes"] - before
+                    stored_blocks += wrote
                 hits += n
                 refs += len(ids)
                 hit_tokens += min(n * block_tokens, req.input_length)
@@ -93,8 +136,13 @@ def replay(requests: list[Request], *, fraction: float, policy: str, workdir: st
     if progress:
         print("", file=sys.stderr)
     ns = stats["tenants"]["bench"][spec.namespace]
+    mean = stored / stored_blocks if stored_blocks else file_bytes
     return {
         "policy": policy, "fraction": fraction, "capacity_blocks": blocks,
+        **({} if codec is None else {
+            "codec": codec, "raw_file_bytes": file_bytes, "mean_file_bytes": round(mean),
+            "file_ratio": round(file_bytes / mean, 3),
+            "blocks_in_capacity": int((capacity - 4096) // mean)}),
         "block_hit": round(100 * hits / refs, 2) if refs else 0.0,
         "token_hit": round(100 * hit_tokens / tokens, 2) if tokens else 0.0,
         "evictions": ns["evictions"], "refused_blocks": ns["refused_blocks"],
@@ -122,7 +170,8 @@ def _traces(trace: str, *, limit: int | None, seed: int, options: dict[str, Any]
 
 def run(trace: str, fractions: list[float], policies: list[str], *, workdir: str,
         block_kib: int, limit: int | None, seed: int, options: dict[str, Any] | None = None,
-        concurrency: list[int] | None = None) -> dict[str, Any]:
+        concurrency: list[int] | None = None, codecs: list[str] | None = None
+        ) -> dict[str, Any]:
     """Each policy at each capacity fraction; with `concurrency`, at each number of sessions
     interleaved too. The sessions (so the turns, the distinct blocks and the capacity in
     blocks) are the same at every concurrency; only their interleaving changes."""
@@ -145,23 +194,37 @@ def run(trace: str, fractions: list[float], policies: list[str], *, workdir: str
             cap = max(1, round(fraction * distinct))
             opt = simulate.belady(requests, cap)
             for policy in policies:
-                row = replay(requests, fraction=fraction, policy=policy, workdir=workdir,
-                             block_kib=block_kib)
-                sim = simulate.simulate(requests, policy, cap)
-                row.update(concurrency=n,
-                           measured_concurrency=shape["concurrency"].get("p50"),
-                           requests=len(requests), distinct_blocks=distinct,
-                           simulated_block_hit=round(100 * sim.block_hit_rate, 2),
-                           optimum_block_hit=round(100 * opt.block_hit_rate, 2),
-                           optimum_token_hit=round(100 * opt.token_hit_rate, 2))
-                rows.append(row)
+                for codec in codecs or [None]:
+                    row = replay(requests, fraction=fraction, policy=policy, workdir=workdir,
+                                 block_kib=block_kib, codec=codec)
+                    held = row.get("blocks_in_capacity", cap)
+                    sim = simulate.simulate(requests, policy, held)
+                    best = opt if held == cap else simulate.belady(requests, held)
+                    row.update(concurrency=n,
+                               measured_concurrency=shape["concurrency"].get("p50"),
+                               requests=len(requests), distinct_blocks=distinct,
+                               simulated_block_hit=round(100 * sim.block_hit_rate, 2),
+                               optimum_block_hit=round(100 * best.block_hit_rate, 2),
+                               optimum_token_hit=round(100 * best.token_hit_rate, 2))
+                    rows.append(row)
     requests = points[0][1]
     return {"benchmark": "hitrate", "trace": str(trace), "generator_options": options or {},
             "seed": seed, "requests": len(requests),
             "distinct_blocks": len({k for r in requests for k in r.hash_ids}),
             "concurrency_axis": concurrency or None, "block_kib": block_kib,
-            "scale": f"each 512-token block stored as {block_kib} KiB of payload",
+            "codecs": codecs or None,
+            "scale": (f"each 512-token block stored as {block_kib} KiB of payload"
+                      + (", KV-like bfloat16 values (head_dim 64); capacity in the raw "
+                         "blocks' bytes for every codec" if codecs else "")),
             "rows": rows, "conditions": conditions([workdir])}
+
+
+def _label(r: dict[str, Any], ratio: bool = True) -> str:
+    """A row's policy, and its codec where the run compared codecs (with its file ratio)."""
+    codec = r.get("codec")
+    if not codec:
+        return str(r.get("policy", "?"))
+    return f"{r.get('policy', '?')}, {codec}" + (f" ({r.get('file_ratio')}x)" if ratio else "")
 
 
 def table(record: dict[str, Any]) -> str:
@@ -169,12 +232,12 @@ def table(record: dict[str, Any]) -> str:
     lines = [f"{record['requests']} requests, {record['distinct_blocks']} distinct blocks; "
              f"{record['scale']}",
              ("sessions at once (set / measured median) " if axis else "")
-             + f"{'capacity':>10} {'policy':<10} {'block hit %':>11} {'token hit %':>11} "
+             + f"{'capacity':>10} {'policy':<22} {'block hit %':>11} {'token hit %':>11} "
              f"{'simulated %':>11} {'optimum %':>10} {'evictions':>9}"]
     for r in record["rows"]:
         conc = (f"{r['concurrency']:>21} / {r['measured_concurrency']!s:<17}" if axis
                 else "")
-        lines.append(f"{conc}{r['fraction']:>9.0%} {r['policy']:<10} {r['block_hit']:>11.2f} "
+        lines.append(f"{conc}{r['fraction']:>9.0%} {_label(r):<22} {r['block_hit']:>11.2f} "
                      f"{r['token_hit']:>11.2f} {r['simulated_block_hit']:>11.2f} "
                      f"{r['optimum_block_hit']:>10.2f} {r['evictions']:>9}")
     return "\n".join(lines)
@@ -183,7 +246,8 @@ def table(record: dict[str, Any]) -> str:
 def main(args: Any) -> int:
     record = run(args.trace, args.capacity_fraction, args.policy or [DEFAULT_POLICY],
                  workdir=args.dir, block_kib=args.block_kib, limit=args.limit, seed=args.seed,
-                 options=args.options, concurrency=args.concurrency)
+                 options=args.options, concurrency=args.concurrency,
+                 codecs=getattr(args, "codec", None))
     return finish(record, args, table(record), draw)
 
 
@@ -194,7 +258,7 @@ def report_table(record: dict[str, Any]) -> list[str]:
     rows = rows_of(record)
     ckey = concurrency_key(rows)
     lru = {(number(r.get("fraction")), number(r.get(ckey)) if ckey else None): r for r in rows
-           if r.get("policy") == "lru"}
+           if r.get("policy") == "lru" and r.get("codec") in (None, "none")}
     head = ["capacity", *([ckey] if ckey else []), "policy", "block hit %", "token hit %",
             "same policy simulated", "optimum", "of the optimum",
             "gap to the optimum closed vs LRU"]
@@ -216,7 +280,7 @@ def report_table(record: dict[str, Any]) -> list[str]:
         conc = num_text(r.get(ckey), "g") if ckey else ""
         if ckey and r.get("measured_concurrency") is not None:
             conc += f" (measured {value_text(r['measured_concurrency'])})"
-        out.append([cap, *([conc] if ckey else []), str(r.get("policy", "-")),
+        out.append([cap, *([conc] if ckey else []), _label(r),
                     num_text(hit), num_text(r.get("token_hit")),
                     num_text(r.get("simulated_block_hit")),
                     num_text(opt), ratio_text(hit / opt if hit is not None and opt else None), gap])
@@ -235,12 +299,12 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
     levels = sorted({number(r.get(ckey)) for r in rows} - {None}) if ckey else []
     fig, axes = plt.subplots(1, 2 if len(levels) > 1 else 1, figsize=(
         12 if len(levels) > 1 else 7, 4.5), squeeze=False, layout="constrained")
-    policies = list(dict.fromkeys(str(r.get("policy", "?")) for r in rows))
+    policies = list(dict.fromkeys(_label(r, False) for r in rows))
     base = [r for r in rows if not levels or number(r.get(ckey)) == levels[0]]
     ax = axes[0][0]
     for p in policies:
         pts = sorted((number(r.get("fraction")), number(r.get("block_hit")))
-                     for r in base if str(r.get("policy", "?")) == p
+                     for r in base if _label(r, False) == p
                      and None not in (number(r.get("fraction")), number(r.get("block_hit"))))
         if pts:
             ax.plot([100 * x for x, _ in pts], [y for _, y in pts], marker="o", label=p)
@@ -264,7 +328,7 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
         for i, f in enumerate(fractions):
             for p in policies:
                 pts = sorted((number(r.get(ckey)), number(r.get("block_hit"))) for r in rows
-                             if str(r.get("policy", "?")) == p and number(r.get("fraction")) == f
+                             if _label(r, False) == p and number(r.get("fraction")) == f
                              and None not in (number(r.get(ckey)), number(r.get("block_hit"))))
                 if pts:
                     ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o",

@@ -95,6 +95,9 @@ def cmd_bench_hitrate(args: argparse.Namespace) -> int:
             raise CliError("--concurrency takes positive numbers of sessions", EXIT_USAGE)
     if args.limit is not None and args.limit < 1:
         raise CliError("--limit must be at least 1", EXIT_USAGE)
+    if args.codec and args.block_kib < 2 * 512 * 64 * 2 // 1024:
+        raise CliError("--codec needs --block-kib of at least 128 (one KV head of 64 "
+                       "bfloat16 values per token, K and V)", EXIT_USAGE)
     from ..trace import generator_options  # noqa: PLC0415
 
     try:
@@ -290,6 +293,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     bh.add_argument("--policy", action="append", choices=POLICIES,
                     help=f"eviction policy (repeatable; default {DEFAULT_POLICY})")
     bh.add_argument("--block-kib", type=int, default=4, help="payload per block (scale)")
+    bh.add_argument("--codec", action="append", choices=("none", "planes", "int8"),
+                    help="KV-like payloads stored with this codec, the capacity the same "
+                         "bytes for each (repeatable: compare them; --block-kib 128 or more, "
+                         "so that page padding does not hide what the codec saves)")
     bh.add_argument("--limit", type=int, help="replay only the first N requests")
     bh.add_argument("--seed", type=int, default=0, help="for generated traces")
     bh.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
