@@ -316,9 +316,16 @@ out:
 
 /* ---- "int8": lossy, one scale per group (a (token, head) row of head_dim values) ---------
  * Stored bytes: n int8 codes, then n / group little-endian float32 scales. Element i decodes to
- * dtype(code[i] * scale[i / group]), the product in float32, converted to bfloat16 by rounding
+ * dtype(code[i] * scale[s(i)]), the product in float32, converted to bfloat16 by rounding
  * to nearest even, to float16 by IEEE conversion (also to nearest even), or kept as float32.
- * Encoding picks scale = max |x| / 127 per group and code = round(x / scale) in -127..127. */
+ * Encoding picks scale = max |x| / 127 per group and code = round(x / scale) in -127..127.
+ *
+ * Which scale (docs/format.md, "Codec 2"): with tiles 0, s(i) = i / group (a group is a run of
+ * `group` elements). Otherwise tiles = w | n << 16 | mask << 24 cuts the payload into tiles of
+ * group * w elements; tile t is of kind t % n. A row tile is w runs of `group` (s(i) = i / group
+ * as before); a column tile is a row-major matrix of `group` rows by w columns whose groups are
+ * its columns: s(i) = t * w + (i - t * group * w) % w. (An engine that keeps a head's keys
+ * transposed, as vLLM's CPU attention does, stores a token's keys down a column.) */
 
 enum { DT_BF16 = 1, DT_F16 = 2, DT_F32 = 3 };
 #define QSTEP 4096 /* elements decoded (and hashed) per step when the destination has parts */
@@ -389,24 +396,113 @@ static void dequant_run(const int8_t *codes, const uint8_t *scales, size_t first
     }
 }
 
-/* quantize(payload, dtype, group) -> (stored bytes, xxh3_64 of the decoded payload), or None
- * where the payload holds a value that is not finite (it is then stored as is). */
+/* Decode a column tile (rows x w codes, row-major; scale c for column c) into out. */
+static void dequant_cols(const int8_t *codes, const uint8_t *scales, size_t rows, size_t w,
+                         int dt, uint8_t *out) {
+    int es = dt_size(dt);
+    float sc[256];
+    for (size_t c0 = 0; c0 < w; c0 += 256) {
+        size_t cw = w - c0 < 256 ? w - c0 : 256;
+        memcpy(sc, scales + 4 * c0, 4 * cw);
+        for (size_t r = 0; r < rows; r++) {
+            const int8_t *c = codes + r * w + c0;
+            uint8_t *o = out + (r * w + c0) * es;
+            if (dt == DT_BF16) {
+                uint16_t tmp[256];
+                for (size_t j = 0; j < cw; j++) {
+                    float f = (float)c[j] * sc[j];
+                    uint32_t u;
+                    memcpy(&u, &f, 4);
+                    tmp[j] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+                }
+                memcpy(o, tmp, 2 * cw);
+            } else {
+                for (size_t j = 0; j < cw; j++) store_elem(o + j * es, (float)c[j] * sc[j], dt);
+            }
+        }
+    }
+}
+
+/* The layout a tiles word names (w 0: plain groups); 0 where it is not one. */
+typedef struct {
+    size_t w, n;
+    unsigned mask;
+} Tiles;
+
+static int parse_tiles(unsigned long tiles, Tiles *t) {
+    t->w = tiles & 0xffffu;
+    t->n = (tiles >> 16) & 0xffu;
+    t->mask = (unsigned)(tiles >> 24) & 0xffu;
+    if (tiles > 0xffffffffUL) return 0;
+    if (tiles == 0) return 1;
+    return t->w >= 1 && t->n >= 1 && t->n <= 8 && (t->mask >> t->n) == 0;
+}
+
+static int is_col(const Tiles *t, size_t tile) {
+    return t->w && ((t->mask >> (tile % t->n)) & 1u);
+}
+
+/* Quantize elements fx[0 .. rows * w) (a row-major tile) into codes and scales: one scale per
+ * column (cols) or per run of `w` (a row); 0 where a value is not finite. */
+static int quant_tile(const float *fx, size_t rows, size_t w, int cols, int8_t *codes,
+                      uint8_t *scales, float *amax) {
+    size_t groups = cols ? w : rows;
+    for (size_t g = 0; g < groups; g++) amax[g] = 0.0f;
+    int finite = 1;
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < w; c++) {
+            float a = fabsf(fx[r * w + c]);
+            if (!(a <= 3.0e38f)) finite = 0; /* NaN or infinite */
+            size_t g = cols ? c : r;
+            amax[g] = a > amax[g] ? a : amax[g];
+        }
+    if (!finite) return 0;
+    for (size_t g = 0; g < groups; g++) {
+        float sc = amax[g] / 127.0f;
+        memcpy(scales + 4 * g, &sc, 4);
+        amax[g] = sc;
+    }
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = 0; c < w; c++) {
+            float sc = amax[cols ? c : r];
+            float v = sc > 0 ? fx[r * w + c] / sc : 0.0f;
+            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+            /* to nearest even, as torch.round: adding and taking away 1.5 * 2^23 leaves
+             * the integer the float unit rounds to (|v| <= 127 is well inside) */
+            float q = v + 12582912.0f; /* (not folded away: no -ffast-math) */
+            codes[r * w + c] = (int8_t)(q - 12582912.0f);
+        }
+    return 1;
+}
+
+/* quantize(payload, dtype, group, tiles=0) -> (stored bytes, xxh3_64 of the decoded payload),
+ * or None where the payload holds a value that is not finite (it is then stored as is). */
 static PyObject *quantize(PyObject *self, PyObject *args) {
     Py_buffer src;
     int dt;
     Py_ssize_t group;
-    if (!PyArg_ParseTuple(args, "y*in", &src, &dt, &group)) return NULL;
+    unsigned long tiles = 0;
+    if (!PyArg_ParseTuple(args, "y*in|k", &src, &dt, &group, &tiles)) return NULL;
     PyObject *result = NULL, *stored = NULL;
     uint8_t *scratch = NULL;
     int es = dt_size(dt);
-    if (dt < DT_BF16 || dt > DT_F32 || group < 1 || src.len % es
-        || (src.len / es) % group) {
-        PyErr_SetString(PyExc_ValueError, "payload is not whole groups of bf16/f16/f32 values");
+    Tiles tl;
+    if (!parse_tiles(tiles, &tl)) {
+        PyErr_SetString(PyExc_ValueError, "tiles: w 1..65535, n 1..8, mask below 1 << n");
         goto out;
     }
-    size_t n = (size_t)src.len / es, groups = n / (size_t)group;
-    stored = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n + 4 * groups));
-    scratch = malloc((size_t)group * (es + 4) + 1); /* the decoded group, its floats */
+    /* a unit is a tile, or (no tiles) a group: `rows` runs of `w` elements */
+    size_t w = (size_t)group, rows = tl.w ? tl.w : 1;
+    if (dt < DT_BF16 || dt > DT_F32 || group < 1 || src.len % es
+        || (src.len / es) % (rows * w)) {
+        PyErr_SetString(PyExc_ValueError, "payload is not whole groups (tiles) of bf16/f16/f32 "
+                        "values");
+        goto out;
+    }
+    size_t n = (size_t)src.len / es, unit = rows * w, units = n / unit;
+    stored = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(n + 4 * (n / (size_t)group)));
+    /* the decoded unit, its floats, its scales */
+    scratch = malloc(unit * (es + 4) + 4 * (rows > w ? rows : w) + 1);
     if (!stored || !scratch) {
         if (stored) PyErr_NoMemory();
         goto out;
@@ -419,35 +515,26 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     XXH3_state_t *xs = XXH3_createState();
     if (xs) XXH3_64bits_reset(xs);
-    for (size_t g = 0; g < groups && finite && xs; g++) {
-        size_t at = g * (size_t)group;
-        float *fx = (float *)(scratch + (size_t)group * es), amax = 0.0f;
+    float *fx = (float *)(scratch + unit * es), *amax = fx + unit;
+    for (size_t u = 0; u < units && finite && xs; u++) {
+        size_t at = u * unit;
         if (dt == DT_BF16) {
-            for (size_t i = 0; i < (size_t)group; i++) {
-                uint32_t u = (uint32_t)(x[2 * (at + i)] | (x[2 * (at + i) + 1] << 8)) << 16;
-                memcpy(&fx[i], &u, 4);
+            for (size_t i = 0; i < unit; i++) {
+                uint32_t v = (uint32_t)(x[2 * (at + i)] | (x[2 * (at + i) + 1] << 8)) << 16;
+                memcpy(&fx[i], &v, 4);
             }
         } else {
-            for (size_t i = 0; i < (size_t)group; i++) fx[i] = load_elem(x + (at + i) * es, dt);
+            for (size_t i = 0; i < unit; i++) fx[i] = load_elem(x + (at + i) * es, dt);
         }
-        for (size_t i = 0; i < (size_t)group; i++) {
-            float a = fabsf(fx[i]);
-            amax = a > amax ? a : amax;
-        }
-        for (size_t i = 0; i < (size_t)group; i++)
-            if (!(fabsf(fx[i]) <= 3.0e38f)) finite = 0; /* NaN or infinite */
-        float sc = amax / 127.0f;
-        memcpy(scales + 4 * g, &sc, 4);
-        for (size_t i = 0; i < (size_t)group; i++) {
-            float v = sc > 0 ? fx[i] / sc : 0.0f;
-            v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-            /* to nearest even, as torch.round: adding and taking away 1.5 * 2^23 leaves
-             * the integer the float unit rounds to (|v| <= 127 is well inside) */
-            float r = v + 12582912.0f; /* (not folded away: no -ffast-math) */
-            codes[at + i] = (int8_t)(r - 12582912.0f);
-        }
-        dequant_run(codes, scales, at, (size_t)group, (size_t)group, dt, scratch);
-        XXH3_64bits_update(xs, scratch, (size_t)group * es);
+        int cols = is_col(&tl, u);
+        /* a column tile is `group` rows of w; a row tile w rows of `group` */
+        size_t r = cols ? (size_t)group : rows, c = cols ? tl.w : w;
+        uint8_t *sc = scales + 4 * (at / (size_t)group);
+        finite = quant_tile(fx, r, c, cols, codes + at, sc, amax);
+        if (!finite) break;
+        if (cols) dequant_cols(codes + at, sc, r, c, dt, scratch);
+        else dequant_run(codes, scales, at, unit, (size_t)group, dt, scratch);
+        XXH3_64bits_update(xs, scratch, unit * es);
     }
     if (xs) {
         digest = XXH3_64bits_digest(xs);
@@ -466,16 +553,17 @@ out:
     return result;
 }
 
-static int run_dequant(const uint8_t *s, size_t slen, int dt, size_t group, Dest *dest,
-                       size_t n, uint64_t *digest) {
+static int run_dequant(const uint8_t *s, size_t slen, int dt, size_t group, const Tiles *tl,
+                       Dest *dest, size_t n, uint64_t *digest) {
     int es = dt_size(dt);
     if (n % (size_t)es) return BAD_LENGTH;
-    size_t elems = n / es;
-    if (elems % group || slen != elems + 4 * (elems / group)) return BAD_LENGTH;
+    size_t elems = n / es, step = tl->w ? group * tl->w : QSTEP;
+    if (elems % group || (tl->w && elems % step) || slen != elems + 4 * (elems / group))
+        return BAD_LENGTH;
     const int8_t *codes = (const int8_t *)s;
     const uint8_t *scales = s + elems;
     uint8_t *dst = dest->nparts == 1 ? dest->buf[0] : NULL;
-    uint8_t *scratch = dst ? NULL : malloc((size_t)QSTEP * es);
+    uint8_t *scratch = dst ? NULL : malloc(step * es);
     XXH3_state_t *xs = XXH3_createState();
     int rc = OK;
     if ((!dst && !scratch) || !xs) {
@@ -483,10 +571,12 @@ static int run_dequant(const uint8_t *s, size_t slen, int dt, size_t group, Dest
         goto done;
     }
     XXH3_64bits_reset(xs);
-    for (size_t first = 0; first < elems; first += QSTEP) {
-        size_t len = elems - first < QSTEP ? elems - first : QSTEP;
+    for (size_t first = 0, u = 0; first < elems; first += step, u++) {
+        size_t len = elems - first < step ? elems - first : step;
         uint8_t *out = dst ? dst + first * es : scratch;
-        dequant_run(codes, scales, first, len, group, dt, out);
+        if (is_col(tl, u)) dequant_cols(codes + first, scales + 4 * (first / group), group,
+                                        tl->w, dt, out);
+        else dequant_run(codes, scales, first, len, group, dt, out);
         XXH3_64bits_update(xs, out, len * es);
         if (!dst) dest_write(dest, out, len * es);
     }
@@ -497,21 +587,23 @@ done:
     return rc;
 }
 
-/* dequantize(stored, dtype, group, dest) -> (verdict, xxh3_64 of what was written to dest);
- * dest as for decode(). */
+/* dequantize(stored, dtype, group, dest, tiles=0) -> (verdict, xxh3_64 of what was written to
+ * dest); dest as for decode(). */
 static PyObject *dequantize(PyObject *self, PyObject *args) {
     Py_buffer s;
     PyObject *target;
     int dt;
     Py_ssize_t group;
-    if (!PyArg_ParseTuple(args, "y*inO", &s, &dt, &group, &target)) return NULL;
+    unsigned long tiles = 0;
+    if (!PyArg_ParseTuple(args, "y*inO|k", &s, &dt, &group, &target, &tiles)) return NULL;
     PyObject *result = NULL, *seq = NULL;
     Py_buffer *views = NULL;
     uint8_t **bufs = NULL;
     size_t *lens = NULL, total = 0;
     int held = 0, nparts = 1;
-    if (dt < DT_BF16 || dt > DT_F32 || group < 1) {
-        PyErr_SetString(PyExc_ValueError, "dtype must be 1..3 and group positive");
+    Tiles tl;
+    if (dt < DT_BF16 || dt > DT_F32 || group < 1 || !parse_tiles(tiles, &tl)) {
+        PyErr_SetString(PyExc_ValueError, "dtype must be 1..3, group positive, tiles sound");
         goto out;
     }
     if (PyList_Check(target) || PyTuple_Check(target)) {
@@ -543,7 +635,7 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
         uint64_t digest = 0;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_dequant(s.buf, (size_t)s.len, dt, (size_t)group, &d, total, &digest);
+        rc = run_dequant(s.buf, (size_t)s.len, dt, (size_t)group, &tl, &d, total, &digest);
         Py_END_ALLOW_THREADS
         if (rc == NO_MEMORY) PyErr_NoMemory();
         else result = Py_BuildValue("iK", rc, (unsigned long long)digest);
@@ -564,9 +656,10 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(stored, k, chunk, dest) -> (verdict, xxh3_64 of dest); verdict 0 is sound."},
     {"quantize", quantize, METH_VARARGS,
-     "quantize(payload, dtype, group) -> (stored, xxh3_64 of the decoded payload) or None."},
+     "quantize(payload, dtype, group, tiles=0) -> (stored, xxh3_64 of the decoded payload) "
+     "or None."},
     {"dequantize", dequantize, METH_VARARGS,
-     "dequantize(stored, dtype, group, dest) -> (verdict, xxh3_64 of dest)."},
+     "dequantize(stored, dtype, group, dest, tiles=0) -> (verdict, xxh3_64 of dest)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -77,7 +77,7 @@ _ZERO8 = bytes(8)
 _RESERVED = bytes(HEADER_SIZE - _HEADER.size)  # version 1: after the fields, all zero
 _RESERVED_2 = bytes(HEADER_SIZE - _SUMS_END)  # version 2: after the sums, all zero
 # version 3, after the sums (zero where the block has none): codec id, flags, element size,
-# chunk, zero, stored length, stored checksum.
+# chunk, tiles (int8; zero for planes), stored length, stored checksum.
 _ENC = struct.Struct("<HHIIIQQ")
 _ENC_OFF = _SUMS_END
 _ENC_END = _ENC_OFF + _ENC.size
@@ -105,9 +105,10 @@ class Encoding:
 
     codec: int  # one of CODECS
     element_size: int  # bytes per element: the number of byte planes
-    chunk: int  # elements per zstd frame
+    chunk: int  # elements per zstd frame (int8: per scale)
     stored_len: int  # bytes stored after the header (before the zero padding)
     stored_checksum: int  # xxh3_64 of those bytes
+    tiles: int = 0  # int8: how groups lie (0: runs of chunk; else int8_tiles()); planes: 0
 
 
 class BlockMismatchError(BlockFormatError):
@@ -226,6 +227,22 @@ def _validate(h: BlockHeader) -> None:
         _validate_encoding(h.encoding, h)
 
 
+def int8_tiles(width: int, columns: Sequence[bool]) -> int:
+    """An int8 block's tiles word: tiles of ``chunk * width`` elements whose kinds cycle through
+    ``columns`` (True: a column tile, ``chunk`` rows of ``width`` whose groups are its columns;
+    False: ``width`` runs of ``chunk``). docs/format.md, "Codec 2"."""
+    if not 1 <= width <= 0xFFFF or not 1 <= len(columns) <= 8:
+        raise ValueError(f"int8 tiles: width {width} not in 1..65535 or {len(columns)} kinds "
+                         "not in 1..8")
+    mask = sum(1 << i for i, c in enumerate(columns) if c)
+    return width | len(columns) << 16 | mask << 24
+
+
+def tiles_of(tiles: int) -> tuple[int, int, int]:
+    """A tiles word's width, number of kinds and column mask."""
+    return tiles & 0xFFFF, (tiles >> 16) & 0xFF, (tiles >> 24) & 0xFF
+
+
 def _validate_encoding(e: Encoding, h: BlockHeader) -> None:
     """An encoding's fields: a known codec whose planes are the dtype's bytes, and stored
     bytes no longer than the payload (a block that does not shrink is stored as is)."""
@@ -243,6 +260,14 @@ def _validate_encoding(e: Encoding, h: BlockHeader) -> None:
         if e.stored_len != elems + 4 * (elems // e.chunk):
             raise BlockFormatError("header", f"stored length {e.stored_len} for {elems} int8 "
                                    f"codes in groups of {e.chunk}")
+        w, n, mask = tiles_of(e.tiles)
+        sound = (e.tiles <= _U32_MAX and w and 1 <= n <= 8 and mask >> n == 0
+                 and elems % (e.chunk * w) == 0)
+        if e.tiles and not sound:
+            raise BlockFormatError("header", f"int8 tiles {e.tiles:#x} for {elems} values in "
+                                   f"groups of {e.chunk}")
+    elif e.tiles:
+        raise BlockFormatError("header", f"tiles {e.tiles:#x} for codec {e.codec}")
     elif not 8 * e.element_size <= e.stored_len <= h.payload_len:
         raise BlockFormatError("header", f"stored length {e.stored_len} for a "
                                f"{h.payload_len}-byte payload")
@@ -294,7 +319,7 @@ def encode_header(h: BlockHeader) -> bytes:
     e = h.encoding
     if e is not None:
         _ENC.pack_into(buf, _ENC_OFF, e.codec, _FLAG_SUMS if h.sums is not None else 0,
-                       e.element_size, e.chunk, 0, e.stored_len, e.stored_checksum)
+                       e.element_size, e.chunk, e.tiles, e.stored_len, e.stored_checksum)
     struct.pack_into("<Q", buf, _HCSUM_OFF, xxhash.xxh3_64_intdigest(bytes(buf)))
     return bytes(buf)
 
@@ -341,14 +366,14 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         sums = _SUMS.unpack_from(mv, _SUMS_OFF)
         reserved = _SUMS_END
     elif version == ENCODED_VERSION:
-        codec, flags, k, chunk, zero, slen, scsum = _ENC.unpack_from(mv, _ENC_OFF)
-        if flags & ~_FLAG_SUMS or zero:
-            raise BlockFormatError("header", f"encoding flags {flags:#x}, reserved {zero}")
+        codec, flags, k, chunk, tiles, slen, scsum = _ENC.unpack_from(mv, _ENC_OFF)
+        if flags & ~_FLAG_SUMS:
+            raise BlockFormatError("header", f"encoding flags {flags:#x}")
         if flags & _FLAG_SUMS:
             sums = _SUMS.unpack_from(mv, _SUMS_OFF)
         elif mv[_SUMS_OFF:_SUMS_END].tobytes() != bytes(_SUMS.size):
             raise BlockFormatError("header", "payload sums set but not flagged")
-        encoding = Encoding(codec, k, chunk, slen, scsum)
+        encoding = Encoding(codec, k, chunk, slen, scsum, tiles)
         reserved = _ENC_END
     if mv[reserved:HEADER_SIZE].tobytes() != bytes(HEADER_SIZE - reserved):
         raise BlockFormatError("header", f"reserved bytes {reserved}..{HEADER_SIZE} not zero")

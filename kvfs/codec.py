@@ -82,11 +82,15 @@ def encode_payload(payload: object, element_size: int, *, level: int = LEVEL,
 
 
 def encode_block(h: BlockHeader, payload: Any, name: str = "planes", *, level: int = LEVEL,
-                 keep: float = KEEP) -> tuple[BlockHeader, bytes] | None:
+                 keep: float = KEEP, tiles: int = 0) -> tuple[BlockHeader, bytes] | None:
     """Block ``h`` (a raw header: its checksum is ``payload``'s) encoded with codec ``name``
     ("planes" or "int8"): its version 3 header and stored bytes, or None where it stays as
     is (the encoder is not built; planes: the file does not shrink below ``keep``; int8: a
-    dtype it does not take, or a value that is not finite)."""
+    dtype it does not take, or a value that is not finite).
+
+    int8 takes one scale per ``h.shape[-1]`` values (a (token, head) row of head_dim): runs of
+    them where ``tiles`` is 0, else as ``tiles`` (:func:`blockfile.int8_tiles`) lays them out,
+    for an engine whose bytes keep some rows down columns (:func:`int8_tiles_for`)."""
     if _codec is None or h.encoding is not None:
         return None
     k = blockfile.DTYPE_SIZES[h.dtype]
@@ -95,12 +99,12 @@ def encode_block(h: BlockHeader, payload: Any, name: str = "planes", *, level: i
         if dt is None or not h.shape:
             return None
         group = h.shape[-1]
-        got = _codec.quantize(payload, dt, group)
+        got = _codec.quantize(payload, dt, group, tiles)
         if got is None:
             return None
         stored, digest = got
         enc = Encoding(blockfile.CODEC_INT8, k, group, len(stored),
-                       xxhash.xxh3_64_intdigest(stored))
+                       xxhash.xxh3_64_intdigest(stored), tiles)
         return replace(h, checksum=digest, sums=None, encoding=enc), stored
     if name != "planes":
         raise ValueError(f"unknown codec {name!r} (one of: planes, {', '.join(LOSSY)})")
@@ -160,7 +164,8 @@ def decode_payload(h: BlockHeader, stored: Any, dest: Any = None) -> Any:
     out = bytearray(h.payload_len) if dest is None else dest
     if e.codec == blockfile.CODEC_INT8:
         if _codec is not None:
-            verdict, digest = _codec.dequantize(stored, _INT8_DTYPE[h.dtype], e.chunk, out)
+            verdict, digest = _codec.dequantize(stored, _INT8_DTYPE[h.dtype], e.chunk, out,
+                                                e.tiles)
             if verdict:
                 raise BlockFormatError("codec", f"bad int8 codes in a {e.stored_len}-byte "
                                        "stored block")
@@ -230,8 +235,18 @@ def _py_dequantize(stored: Any, h: BlockHeader, dest: Any) -> int:
     n = h.payload_len // e.element_size
     mv = bytearray(stored)  # writable: torch takes no read-only buffer without a warning
     codes = torch.frombuffer(mv, dtype=torch.int8, count=n).float()
-    scales = torch.frombuffer(mv, dtype=torch.float32, offset=n).repeat_interleave(e.chunk)
-    out = memoryview((codes * scales).to(getattr(torch, h.dtype)).view(torch.uint8).numpy())
+    scales = torch.frombuffer(mv, dtype=torch.float32, offset=n)
+    w, kinds, mask = blockfile.tiles_of(e.tiles)
+    if not w:
+        vals = codes * scales.repeat_interleave(e.chunk)
+    else:  # tile t: codes [t, i] of chunk * w; its scales [t, 0 .. w)
+        codes, scales = codes.view(-1, e.chunk * w), scales.view(-1, w)
+        rows = (codes.view(-1, w, e.chunk) * scales[:, :, None]).view(codes.shape)
+        cols = (codes.view(-1, e.chunk, w) * scales[:, None, :]).view(codes.shape)
+        kind = torch.arange(codes.shape[0]) % kinds
+        is_col = ((mask >> kind) & 1).bool()[:, None]
+        vals = torch.where(is_col, cols, rows).view(-1)
+    out = memoryview(vals.to(getattr(torch, h.dtype)).view(torch.uint8).numpy())
     parts = dest if isinstance(dest, list | tuple) else [dest]
     off = 0
     for part in parts:

@@ -109,7 +109,7 @@ def test_encoding_fields_are_checked() -> None:
         (194, struct.pack("<H", 2), "flags"),
         (196, struct.pack("<I", 4), "element size"),
         (200, struct.pack("<I", 0), "chunk"),
-        (204, struct.pack("<I", 1), "reserved"),
+        (204, struct.pack("<I", 1), "tiles"),  # planes has none
         (208, struct.pack("<Q", 60_001), "stored length"),  # longer than the payload
         (224, b"\x01", "reserved"),
     ]:
@@ -295,3 +295,66 @@ def test_int8_refuses_what_it_cannot_hold_and_what_is_forged() -> None:
     with pytest.raises(bf.BlockFormatError, match="checksum"):
         bf.decode(b"".join(codec.file_parts(wrong, stored)))
 
+
+
+@needs_codec
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_int8_tiles_give_each_row_its_scale_where_keys_lie_down_columns(
+        monkeypatch, dtype: str) -> None:
+    """A head's keys transposed (head_dim rows of tokens: vLLM's CPU layout), its values as
+    rows: with the tiles word each token's keys get their own scale, so a token of large keys
+    (an attention sink) does not flatten the others; the C and torch decoders agree; forged
+    tiles are refused."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(9)
+    layers, heads, tokens, dim = 2, 3, 16, 64
+    keys = torch.randn(layers, heads, tokens, dim, generator=g)
+    keys[:, :, 0] *= 100  # the sink
+    values = torch.randn(layers, heads, tokens, dim, generator=g)
+    page = torch.cat([keys.transpose(2, 3).reshape(layers, heads, -1),
+                      values.reshape(layers, heads, -1)], dim=2).to(getattr(torch, dtype))
+    payload = page.contiguous().view(torch.uint8).numpy().tobytes()
+    h = bf.make_header(**ARGS, dtype=dtype, shape=(layers, heads, 2 * tokens, dim),
+                       payload=payload)
+    tiles = bf.int8_tiles(tokens, (True, False))
+    h8, stored = codec.encode_block(h, payload, "int8", tiles=tiles)
+    assert h8.encoding.tiles == tiles and bf.decode_header(bf.encode_header(h8)) == h8
+    native = bytearray(h.payload_len)
+    codec.decode_payload(h8, stored, native)
+    monkeypatch.setattr(codec, "_codec", None)
+    fallback = bytearray(h.payload_len)
+    codec.decode_payload(h8, stored, fallback)
+    monkeypatch.undo()
+    assert native == fallback
+
+    def rows(buf: bytes) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.frombuffer(bytearray(buf), dtype=page.dtype).view(layers, heads, -1).float()
+        return (y[..., :tokens * dim].view(layers, heads, dim, tokens).transpose(2, 3),
+                y[..., tokens * dim:].view(layers, heads, tokens, dim))
+
+    def per_row(x: torch.Tensor) -> torch.Tensor:
+        s = x.abs().amax(-1, keepdim=True) / 127
+        return ((x / s).round().clamp(-127, 127) * s).to(page.dtype).float()
+
+    k, v = rows(native)
+    k0, v0 = rows(payload)
+    assert torch.equal(k, per_row(k0)) and torch.equal(v, per_row(v0))
+    # Runs of 64 (no tiles) would share a scale across the sink's column: far worse keys.
+    h_runs, s_runs = codec.encode_block(h, payload, "int8")
+    runs = bytearray(h.payload_len)
+    codec.decode_payload(h_runs, s_runs, runs)
+    err = ((k - k0).abs() / k0.abs().amax(-1, keepdim=True))[:, :, 1:].max()
+    err_runs = ((rows(runs)[0] - k0).abs() / k0.abs().amax(-1, keepdim=True))[:, :, 1:].max()
+    assert err <= 1 / 254 + 1 / 128 < err_runs
+    for bad, why in ((bf.int8_tiles(tokens, (True, False)) | 1 << 31, "tiles"),
+                     (bf.int8_tiles(7, (True,)), "tiles")):
+        forged = bytearray(bf.encode_header(h8))
+        forged[bf._ENC_OFF + 12:bf._ENC_OFF + 16] = bad.to_bytes(4, "little")
+        with pytest.raises(bf.BlockFormatError, match=why):
+            bf.decode_header(reseal(forged))
+    hp = codec.encode_block(h, payload, "planes")
+    if hp is not None:  # planes has no tiles
+        forged = bytearray(bf.encode_header(hp[0]))
+        forged[bf._ENC_OFF + 12:bf._ENC_OFF + 16] = tiles.to_bytes(4, "little")
+        with pytest.raises(bf.BlockFormatError, match="tiles"):
+            bf.decode_header(reseal(forged))

@@ -90,6 +90,8 @@ class Saving(Layouts):
     _native_writes = True
     #: How saved blocks are stored (kvfs.codec: "planes", "int8"; None: as they are).
     codec: str | None = None
+    #: int8: how the engine's bytes lay a block's rows out (kvfs.codec.int8_tiles_for; 0: runs).
+    int8_tiles: int = 0
 
     def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
              parent: bytes | None = None) -> int:
@@ -222,7 +224,7 @@ class Saving(Layouts):
             csum = checksum([memoryview(payload)])
             _expected(csum, expect, tmp)
             raw = blockfile.decode_header(header(csum))
-            got = codec.encode_block(raw, payload, self.codec)
+            got = codec.encode_block(raw, payload, self.codec, tiles=self.int8_tiles)
             if got is None:  # it does not pay (or a value int8 cannot hold): as it is
                 parts = [header(csum), memoryview(payload), pad]
             else:

@@ -50,6 +50,49 @@ class KVFSStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def int8_tiles(layer: torch.Tensor, block_size: int, heads: int, dim: int) -> int:
+    """How this engine's pages lay out a (token, head) row of keys and of values, as
+    kvfs.blockfile.int8_tiles says it (int8 takes one scale per row): 0 where the page is
+    (2, block_size, heads, head_dim) as its view names it (vLLM's GPU backends). vLLM's CPU
+    attention keeps each head's keys transposed (head_dim rows of block_size tokens), then its
+    values as rows: found here by writing marked rows through its own cache op. Raises
+    ConfigError for a layout the codec cannot follow."""
+    from kvfs import blockfile  # noqa: PLC0415
+
+    if layer.is_cuda:
+        return 0
+    try:
+        from vllm import _custom_ops as ops  # noqa: PLC0415
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
+
+        isa = _get_attn_isa(layer.dtype, block_size, dim)
+        tokens = torch.arange(block_size, dtype=torch.float32)[:, None, None]
+        chans = torch.arange(dim, dtype=torch.float32)[None, None, :]
+        found = []
+        for mark in (tokens + 1 + 0 * chans, chans + 1 + 0 * tokens):
+            key = mark.expand(block_size, heads, dim).to(layer.dtype).contiguous()
+            cache = torch.zeros(1, heads, block_size, 2 * dim, dtype=layer.dtype)
+            kc, vc = cache.view(1, heads, 2 * block_size, dim).chunk(2, dim=2)
+            ops.cpu_attn_reshape_and_cache(key, -key, kc, vc,
+                                           torch.arange(block_size, dtype=torch.int64), isa)
+            found.append(cache[0, 0].reshape(2, -1).float())
+    except Exception as exc:  # noqa: BLE001 - an engine build without the op: say so
+        raise ConfigError(f"KVFSConnector: kv_codec int8: could not learn how this CPU "
+                          f"attention lays out its KV ({exc!r}); use kv_codec exact") from None
+    tok, chan = (f - 1 for f in found)
+    runs_t = torch.arange(block_size).repeat_interleave(dim).float()  # row t: dim values
+    runs_c = torch.arange(dim).repeat(block_size).float()
+    down_t = torch.arange(block_size).repeat(dim).float()  # column t: dim rows
+    down_c = torch.arange(dim).repeat_interleave(block_size).float()
+    values_in_runs = torch.equal(-tok[1] - 2, runs_t) and torch.equal(-chan[1] - 2, runs_c)
+    if values_in_runs and torch.equal(tok[0], runs_t) and torch.equal(chan[0], runs_c):
+        return 0
+    if values_in_runs and torch.equal(tok[0], down_t) and torch.equal(chan[0], down_c):
+        return blockfile.int8_tiles(block_size, (True, False))
+    raise ConfigError(f"KVFSConnector: kv_codec int8: this CPU attention ({isa}) keeps keys "
+                      "in a layout kvfs's int8 codec does not know; use kv_codec exact")
+
+
 class WorkerSide:
     """The worker-side methods of :class:`~kvfs.integrations.vllm.KVFSConnector`."""
 
@@ -86,6 +129,9 @@ class WorkerSide:
             # A page's bytes as kvfs's paged layout names them; the bytes are vLLM's own.
             layers.append(t.view(t.shape[0], *page))
         self._layers = layers
+        if self.cache.codec == "int8" and layers:
+            self.cache.int8_tiles = int8_tiles(layers[0], s.block_size, s.num_kv_heads,
+                                               s.head_dim)
         # Absent, `layerwise` follows the device: on a GPU the per-layer load overlaps the
         # forward pass; on a CPU host it competes with it for the cores and loads slower.
         self._layerwise = self._extra.get("layerwise")
