@@ -571,7 +571,11 @@ def test_bench_codec_measures_every_figure_and_the_report_renders(tmp_path):
     record = json.loads((out / "codec.json").read_text())
     assert record["benchmark"] == "codec" and record["conditions"]["libzstd"]
     rows = record["rows"]
-    assert len(rows) == 6
+    assert len(rows) == 9  # six of planes, three of int8
+    assert [r["figure"] for r in rows if "int8" in r["figure"]] == [
+        f"llama-3-8b-shape (synthetic): int8 {f}"
+        for f in ("stored ratio", "decode, 1 thread", "encode, 1 thread")]
+    assert 1.8 < rows[6]["kvfs"] < 2.0  # 1 + 4 / 128 bytes per value, page padding
     for r in rows:
         assert r["kvfs"] > 0 and r["baseline"] > 0 and r["ratio"] > 0, r
     ratio = rows[0]
