@@ -90,7 +90,8 @@ def encode_block(h: BlockHeader, payload: Any, name: str = "planes", *, level: i
 
     int8 takes one scale per ``h.shape[-1]`` values (a (token, head) row of head_dim): runs of
     them where ``tiles`` is 0, else as ``tiles`` (:func:`blockfile.int8_tiles`) lays them out,
-    for an engine whose bytes keep some rows down columns (:func:`int8_tiles_for`)."""
+    for an engine whose bytes keep some rows down columns (the vLLM connector's
+    ``worker.int8_tiles`` finds its engine's)."""
     if _codec is None or h.encoding is not None:
         return None
     k = blockfile.DTYPE_SIZES[h.dtype]

@@ -90,7 +90,8 @@ class Saving(Layouts):
     _native_writes = True
     #: How saved blocks are stored (kvfs.codec: "planes", "int8"; None: as they are).
     codec: str | None = None
-    #: int8: how the engine's bytes lay a block's rows out (kvfs.codec.int8_tiles_for; 0: runs).
+    #: int8: how the engine's bytes lay a block's rows out (blockfile.int8_tiles, 0: runs;
+    #: the vLLM connector's worker.int8_tiles finds its engine's).
     int8_tiles: int = 0
 
     def save(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
