@@ -26,6 +26,9 @@ check (``blockfile.decode``) refuses the same file. Exit 1: a byte differed or a
 wrong. ``--emulate`` runs the verdicts alone on the CPU, through a transport that acts for
 CPU tensors as kvikio does for CUDA ones (the tests' fake), where no GPU is lent.
 
+Then the codec (:func:`codec_check`): planes-zstd blocks decoded on the GPU by nvCOMP
+(``nvidia-nvcomp-cu12``), bit for bit, against the host decoder plus a copy to the device.
+
     python tools/gpu_check.py [MOUNT] [--tenant T] [--blocks N] [--block-mib M] [--dir D]
                               [--warm] [--json PATH] [--emulate]
 """
@@ -37,6 +40,7 @@ import contextlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -445,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"payload sums of all {n} blocks on the GPU: {total / dt / 1e9:.1f} GB/s")
         io = "kvikio" if kvikio is not None else "posix"
         bad = verdicts(open_cache, dev, io)
+        figures["codec"], codec_bad = codec_check(open_cache, spec, dev)
+        bad += codec_bad
         figures["verdicts"] = {"transport": io, "failures": bad}
         failures += bad
         say(f"page cache before each load: {figures['page_cache']}")
@@ -462,6 +468,99 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     say("OK: every byte loaded into GPU memory is identical to what was saved")
     return 0
+
+
+def codec_check(open_cache: Any, spec: Any, dev: Any) -> tuple[dict[str, Any], list[str]]:
+    """Planes-zstd blocks decoded on the GPU (kvfs.client.gpudecode, nvCOMP): bit-exact
+    against the saved KV, a corrupt frame a miss, and GB/s against the host decoder plus
+    the copy of the decoded payload to the device, on the same stored bytes; then blocks
+    saved encoded through the client and loaded into CUDA tensors."""
+    from dataclasses import replace
+
+    import torch
+    import xxhash
+
+    from kvfs import blockfile, codec
+    from kvfs.client import gpudecode
+
+    if not codec.available():
+        say("codec: kvfs._codec is not built: nothing to check")
+        return {"skipped": "kvfs._codec not built"}, []
+    frames = gpudecode.nvcomp_frames(dev)
+    if frames is None:
+        say("codec: nvCOMP is not installed (pip install nvidia-nvcomp-cu12): planes blocks "
+            "loaded into GPU memory are decoded on the host, then copied")
+        return {"skipped": "nvCOMP not installed"}, []
+    failures = []
+    n = 8 << 20  # 16 MiB of bfloat16 drawn like KV (normal, a few scales)
+    scale = torch.tensor([0.5, 1.0, 4.0], device=dev)[torch.randint(0, 3, (n,), device=dev)]
+    kv = (torch.randn(n, device=dev) * scale).to(torch.bfloat16).view(torch.uint8)
+    payload = kv.cpu().numpy().tobytes()
+    raw = blockfile.encode(block_hash=os.urandom(16), parent_hash=bytes(16),
+                           fingerprint=b"g" * 16, token_count=16, dtype="bfloat16",
+                           shape=(n,), payload=payload, sums=True)
+    enc = codec.encode_file(raw)
+    if enc is None:
+        return {"error": "the KV-like payload did not shrink"}, ["codec: encode"]
+    h = blockfile.decode_header(enc)
+    stored = bytearray(enc[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + h.encoding.stored_len])
+    out = torch.zeros_like(kv)
+    gpudecode.decode_into(h, stored, [out], frames)  # untimed: nvCOMP's first call
+    reps = 10
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        gpudecode.decode_into(h, stored, [out], frames)
+    torch.cuda.synchronize()
+    t_dev = (time.perf_counter() - t0) / reps
+    if not torch.equal(out, kv):
+        failures.append("codec: GPU decode differs")
+    host = torch.empty(len(payload), dtype=torch.uint8, pin_memory=True)
+    from kvfs.transport import host_view
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        codec.decode_payload(h, stored, host_view(host))
+        out.copy_(host, non_blocking=True)
+        torch.cuda.synchronize()
+    t_host = (time.perf_counter() - t0) / reps
+    # A corrupt frame under a resealed stored checksum: only the decode can tell.
+    (w0, _w1) = struct.unpack_from("<2Q", stored)
+    bad = bytearray(stored)
+    bad[16 + (w0 & ((1 << 48) - 1)) + 200] ^= 0x10
+    forged = replace(h, encoding=replace(h.encoding,
+                                         stored_checksum=xxhash.xxh3_64_intdigest(bad)))
+    try:
+        gpudecode.decode_into(forged, bad, [out], frames)
+        failures.append("codec: a corrupt frame was decoded and served")
+        refused = "SERVED"
+    except blockfile.BlockFormatError as exc:
+        refused = str(exc)
+    # Through the client: saved encoded from CUDA, loaded into CUDA tensors.
+    with open_cache(io="posix") as cache:
+        cache.codec = "planes"
+        blocks = 4
+        kvb = (torch.randn((blocks, *spec.block_shape), device=dev) * 2).to(torch.bfloat16)
+        start = int.from_bytes(os.urandom(3), "little")
+        hashes = cache.block_hashes(list(range(start, start + blocks * spec.block_size)))
+        cache.save(hashes, kvb)
+        encoded_files = sum(blockfile.decode_header(open(cache.path(x), "rb").read(4096))
+                            .encoding is not None for x in hashes)
+        got = torch.zeros_like(kvb)
+        loaded = cache.load(hashes, got)
+        if loaded != blocks or not torch.equal(got.view(torch.uint8), kvb.view(torch.uint8)):
+            failures.append("codec: encoded blocks loaded through the client differ")
+    figures = {"payload_bytes": len(payload), "ratio": round(len(raw) / len(enc), 3),
+               "gpu_decode_gbps": len(payload) / t_dev / 1e9,
+               "host_decode_then_h2d_gbps": len(payload) / t_host / 1e9,
+               "corrupt_frame": refused, "client_blocks_encoded": encoded_files,
+               "client_loaded": loaded}
+    say(f"codec: planes-zstd {figures['ratio']}x; decoded on the GPU (nvCOMP) "
+        f"{figures['gpu_decode_gbps']:.2f} GB/s against host decode + H2D copy "
+        f"{figures['host_decode_then_h2d_gbps']:.2f} GB/s; corrupt frame: {refused}; "
+        f"through the client: {encoded_files}/{blocks} saved encoded, {loaded}/{blocks} loaded")
+    return figures, failures
 
 
 def emulate(args: argparse.Namespace) -> int:

@@ -6,7 +6,8 @@ any block, into the block's destination; an encoded file is never longer than th
 it encodes, so all of it lands there. :func:`decode_landed` then takes the stored bytes out
 (one copy of the smaller, stored bytes) and decodes them into the same memory, checking the
 stored bytes' checksum first and the decoded payload's as it is written. A layer-wise or
-device load reads the file whole first (:func:`decode_fd`).
+device load reads the file whole first (:func:`decode_fd`); into GPU memory, a planes block's
+zstd frames are decoded there, with nvCOMP where it is installed (:mod:`.gpudecode`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from .. import blockfile, codec
 from ..blockfile import HEADER_SIZE, BlockFormatError, BlockHeader
 from ..transport import host_view, preadv_all
+from . import gpudecode
 
 
 def is_encoded(header: bytearray | bytes) -> bool:
@@ -58,6 +60,9 @@ def decode_fd(fd: int, hdr: BlockHeader, dests: Sequence[Any]) -> int:
         codec.decode_payload(hdr, stored, list(dests))
     elif all(d.device.type == "cpu" and d.is_contiguous() for d in dests):
         codec.decode_payload(hdr, stored, [host_view(d) for d in dests])
+    elif (hdr.encoding is not None and hdr.encoding.codec == blockfile.CODEC_PLANES
+          and (frames := gpudecode.nvcomp_frames(dests[0].device)) is not None):
+        gpudecode.decode_into(hdr, stored, dests, frames)  # the frames decoded on the GPU
     else:  # device memory: decoded on the host, then copied (one transfer a part)
         host = codec.decode_payload(hdr, stored)
         at = 0
