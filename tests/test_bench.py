@@ -629,3 +629,47 @@ def test_bench_hitrate_at_the_same_bytes_with_codecs(tmp_path):
     assert rows["none"]["block_hit"] == rows["none"]["simulated_block_hit"]
     res = kvfs("bench", "hitrate", "--trace", str(TRACE), "--codec", "int8", check=False)
     assert res.returncode != 0 and "--block-kib" in res.stderr
+
+
+def test_bench_codec_perturbs_one_ulp_and_judges_int8_against_both_floors(tmp_path):
+    """The gate's perturbed restore: the lowest bit of about the given share of 16-bit
+    values flipped, every file still a sound block; and int8's rows say pass or FAIL
+    against the targets and whether they are at the one-ulp floor."""
+    from kvfs import blockfile as bf
+    from kvfs.bench import codecs
+
+    payload = bytes(range(256)) * 256  # 32 Ki bfloat16 values
+    for i, dtype in enumerate(("bfloat16", "float32")):
+        (tmp_path / "ns" / "d").mkdir(parents=True, exist_ok=True)
+        k = bf.DTYPE_SIZES[dtype]
+        (tmp_path / "ns" / "d" / f"{i}.kv").write_bytes(bf.encode(
+            block_hash=bytes([i]) * 16, parent_hash=bytes(16), fingerprint=b"f" * 16,
+            token_count=4, dtype=dtype, shape=(len(payload) // k,), payload=payload))
+    assert codecs.perturb_blocks(str(tmp_path), 0.01) == 1  # 16-bit blocks only
+    h, got = bf.decode((tmp_path / "ns" / "d" / "0.kv").read_bytes())  # sound: checksums anew
+    a = memoryview(payload).cast("H")
+    b = memoryview(bytes(got)).cast("H")
+    flips = [x ^ y for x, y in zip(a, b, strict=True) if x != y]
+    assert set(flips) == {1} and 200 < len(flips) < 460  # ~1 % of 32768, one ulp each
+    assert (tmp_path / "ns" / "d" / "1.kv").read_bytes()[4096:4096 + len(payload)] == payload
+
+    def fig(identical, top1, kl):
+        return {"prompts": 10, "identical": identical, "identical_share": identical / 10,
+                "positions": 300, "top1": top1, "kl_mean": kl}
+    gate = {"exact restore": fig(10, 1.0, 0.0), "int8 restore": fig(5, 0.97, 3e-3),
+            codecs.PERTURBED: fig(4, 0.966, 2.9e-3), "second full recompute": fig(10, 1.0, 0.0)}
+    rows = {r["figure"]: r for r in codecs.gate_rows(gate)}
+    kl = rows["gate: int8 restore: KL, mean over positions"]
+    assert kl["kvfs"] == 3000 and kl["baseline"] == 2900 and kl["baseline_name"].startswith(
+        codecs.PERTURBED)
+    assert "FAIL" in kl["note"] and "at the one-ulp floor" in kl["note"]
+    gate["int8 restore"] = fig(1, 0.90, 9e-3)
+    rows = {r["figure"]: r for r in codecs.gate_rows(gate)}
+    assert "WORSE than the one-ulp floor" in rows["gate: int8 restore: KL, mean over positions"][
+        "note"]
+    assert "WORSE" in rows["gate: int8 restore: top-1 agreement"]["note"]
+    assert rows[f"gate: {codecs.PERTURBED}: top-1 agreement"]["baseline_name"] == "exact restore"
+    del gate[codecs.PERTURBED]  # an older record: no perturbed rows, int8 against the exact
+    rows = {r["figure"]: r for r in codecs.gate_rows(gate)}
+    assert not [f for f in rows if codecs.PERTURBED in f]
+    assert rows["gate: int8 restore: top-1 agreement"]["baseline"] == 1.0
