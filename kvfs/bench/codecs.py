@@ -119,25 +119,14 @@ def log(msg: str) -> None:
 
 
 def text(tokens: int) -> str:
-    """A fixed English text of at least ``tokens`` tokens: kvfs's own module docstrings."""
-    import importlib  # noqa: PLC0415
-    import pkgutil  # noqa: PLC0415
+    """A fixed English text of at least ``tokens`` tokens (about 4 characters a token): the
+    module docstrings of kvfs as they stood on 2026-12-04 (``prompt_text.txt``, kept fixed so
+    that every run, at any commit, prefills and gates on the same prompts), repeated as
+    often as needed."""
+    from importlib.resources import files  # noqa: PLC0415
 
-    import kvfs  # noqa: PLC0415
-
-    parts = []
-    for info in sorted(pkgutil.walk_packages(kvfs.__path__, "kvfs."), key=lambda m: m.name):
-        if any(x in info.name for x in ("integrations", "_")):
-            continue
-        try:
-            doc = importlib.import_module(info.name).__doc__
-        except ImportError:
-            continue
-        if doc:
-            parts.append(doc)
-        if sum(map(len, parts)) > 6 * tokens:  # ~4 characters a token, with margin
-            break
-    return "\n\n".join(parts)
+    body = files(__package__).joinpath("prompt_text.txt").read_text()
+    return "\n\n".join([body] * max(1, -(-6 * tokens // len(body))))
 
 
 def vllm_blocks(args: argparse.Namespace, work: str) -> tuple[list[bytes], str]:
