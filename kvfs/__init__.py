@@ -1,8 +1,8 @@
 """kvfs: a FUSE-mounted, shared KV-cache filesystem for LLM inference.
 
-The daemon side (``kvfs.fs``, ``kvfs.mount``) needs pyfuse3 and trio; the format layer
-(``kvfs.hashing``, ``kvfs.blockfile``) needs only xxhash; the client (``kvfs.client``,
-``kvfs.transport``) needs torch. ``kvfs.ModelSpec`` and ``kvfs.KVCache`` are imported on
+The daemon side (``kvfs.daemon.fs``, ``kvfs.daemon.mount``) needs pyfuse3 and trio; the format layer
+(``kvfs.format.hashing``, ``kvfs.format.blockfile``) needs only xxhash; the client (``kvfs.client``,
+``kvfs.client.transport``) needs torch. ``kvfs.ModelSpec`` and ``kvfs.KVCache`` are imported on
 first use, so that ``import kvfs`` imports none of them.
 """
 
@@ -12,7 +12,7 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_LAZY = {"ModelSpec": "hashing", "KVCache": "client", "SpecMismatch": "client",
+_LAZY = {"ModelSpec": "format.hashing", "KVCache": "client", "SpecMismatch": "client",
          "CacheFull": "client"}
 __all__ = ["__version__", *_LAZY]
 

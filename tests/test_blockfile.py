@@ -1,4 +1,4 @@
-"""Tests for kvfs.blockfile: round trips, every rejection reason, and bit-flip detection."""
+"""Tests for kvfs.format.blockfile: round trips, every rejection reason, and bit-flip detection."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfs import blockfile as bf
-from kvfs.blockfile import ALIGN, HEADER_SIZE, BlockFormatError, BlockMismatchError
+from kvfs.format import blockfile as bf
+from kvfs.format.blockfile import ALIGN, HEADER_SIZE, BlockFormatError, BlockMismatchError
 
 BH, PH, FP = bytes(range(16)), bytes(16), bytes.fromhex("d63a9e59af86df24757cd7b66c825fbc")
 ARGS = dict(

@@ -327,7 +327,7 @@ def test_quota_refuses_at_once_what_cannot_fit(mount_factory):
 
 
 def test_fair_shares_and_room_order():
-    from kvfs.capacity import UNLIMITED, fair_shares, room_order
+    from kvfs.daemon.capacity import UNLIMITED, fair_shares, room_order
 
     usage = {1: 700, 2: 200, 3: 0}
     shares = fair_shares(usage, 1000, {2: 300}, grower=3)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvfs.config import ConfigError, parse_size
+from kvfs.format.config import ConfigError, parse_size
 
 from .conftest import kvfs
 

@@ -1,4 +1,4 @@
-"""The lossless block codec (kvfs.codec, kvfs._codec) and format version 3."""
+"""The lossless block codec (kvfs.format.codec, kvfs.format._codec) and format version 3."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from array import array
 import pytest
 import xxhash
 
-from kvfs import blockfile as bf
-from kvfs import codec
+from kvfs.format import blockfile as bf
+from kvfs.format import codec
 
-needs_codec = pytest.mark.skipif(not codec.available(), reason="kvfs._codec not built")
+needs_codec = pytest.mark.skipif(not codec.available(), reason="kvfs.format._codec not built")
 
 
 def kv_like(n: int, seed: int = 0) -> bytes:
@@ -124,7 +124,7 @@ def test_encoding_fields_are_checked() -> None:
 
 @needs_codec
 def test_the_python_decoder_agrees(monkeypatch) -> None:
-    """Where kvfs._codec is not built, python-zstandard decodes the same frames."""
+    """Where kvfs.format._codec is not built, python-zstandard decodes the same frames."""
     pytest.importorskip("zstandard")
     payload = kv_like(100_000, seed=5)
     raw = raw_block(payload, sums=True)
@@ -197,12 +197,12 @@ VECTOR_HEAD_160_224 = bytes.fromhex(
 @pytest.mark.parametrize("native", [True, False])
 def test_the_format_vector_decodes(monkeypatch, native: bool) -> None:
     """docs/format.md, section 5: the version 3 file made of the documented bytes decodes
-    (with kvfs._codec, and with python-zstandard) into the documented block, whose own
+    (with kvfs.format._codec, and with python-zstandard) into the documented block, whose own
     version 1 file comes back."""
-    from kvfs import hashing
+    from kvfs.format import hashing
 
     if native and not codec.available():
-        pytest.skip("kvfs._codec not built")
+        pytest.skip("kvfs.format._codec not built")
     if not native:
         pytest.importorskip("zstandard")
         monkeypatch.setattr(codec, "_codec", None)

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import kvfs
-from kvfs import blockfile, codec, hashing
 from kvfs.client import KVCache
+from kvfs.format import blockfile, codec, hashing
 
 from .conftest import flip_byte
 from .conftest import kvfs as kvfs_cli
 
-pytestmark = pytest.mark.skipif(not codec.available(), reason="kvfs._codec is not built")
+pytestmark = pytest.mark.skipif(not codec.available(), reason="kvfs.format._codec is not built")
 
 SPEC = kvfs.ModelSpec(model="org/tiny", revision="r1", kv_dtype="bfloat16", block_size=16,
                       num_layers=8, num_kv_heads=2, head_dim=64)

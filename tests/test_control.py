@@ -6,7 +6,7 @@ import struct
 
 import pytest
 
-from kvfs import control
+from kvfs.format import control
 
 
 def test_access_round_trip_and_older_clients():

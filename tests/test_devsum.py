@@ -1,7 +1,7 @@
 """Payload sums (block format version 2) and the loads that verify them where bytes land.
 
 kvikio reads into GPU memory, which the host never sees: there the client checks a block's
-payload sums with torch ops (kvfs.devsum). There is no GPU here, so these tests run the same
+payload sums with torch ops (kvfs.client.devsum). There is no GPU here, so these tests run the same
 torch code on CPU tensors, fed by a fake device transport (a POSIX transport that, like
 kvikio with CUDA tensors, never hashes the bytes on the host and says that they land on a
 device). tools/gpu_check.py runs the same checks on CUDA where a GPU is lent.
@@ -17,9 +17,8 @@ import torch
 import xxhash
 
 import kvfs
-from kvfs import blockfile as bf
-from kvfs import devsum, transport
-from kvfs.client import KVCache
+from kvfs.client import KVCache, devsum, transport
+from kvfs.format import blockfile as bf
 
 from .conftest import flip_byte
 from .conftest import kvfs as kvfs_cli

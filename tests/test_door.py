@@ -301,7 +301,7 @@ def test_dropping_the_pages_of_an_inode_the_kernel_forgot_is_no_error(monkeypatc
     """A refused write-back drops the file's pages; when the kernel has forgotten the inode
     first (its last close won the race), the notification's ENOENT must not escape into the
     daemon's task group, which would end the mount for everyone."""
-    from kvfs import tree  # noqa: PLC0415
+    from kvfs.daemon import tree  # noqa: PLC0415
 
     def forgotten(inode: int, attr_only: bool) -> None:
         raise FileNotFoundError(errno.ENOENT, "fuse_lowlevel_notify_inval_inode returned")

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 import kvfs as kvfs_pkg
-from kvfs import hashing
 from kvfs.client import KVCache
-from kvfs.transport import host_view
+from kvfs.client.transport import host_view
+from kvfs.format import hashing
 
 from .conftest import Mount, kvfs
 

@@ -1,4 +1,4 @@
-"""kvfs._fastread, the host load path in C: the same verdicts as the reads in Python.
+"""kvfs.client._fastread, the host load path in C: the same verdicts as the reads in Python.
 
 Each case is a block file on disk (sound, or damaged one way) read by both: the C reads must
 accept exactly the blocks the Python fast path (transport.read_file + HeaderCheck) accepts,
@@ -19,16 +19,18 @@ import pytest
 import xxhash
 
 import kvfs
-from kvfs import blockfile, transport
+from kvfs.client import transport
+from kvfs.format import blockfile
 
 from .conftest import drop_cached
 
 try:
-    from kvfs import _fastread as fastread
+    from kvfs.client import _fastread as fastread
 except ImportError:
     if os.environ.get("CI") == "true":  # CI builds it (tools/setup.sh): not built is a failure
         raise
-    pytest.skip("kvfs._fastread is not built (tools/setup.sh builds it)", allow_module_level=True)
+    pytest.skip("kvfs.client._fastread is not built (tools/setup.sh builds it)",
+                allow_module_level=True)
 
 SMALL = kvfs.ModelSpec(model="org/m", revision="r1", kv_dtype="bfloat16", block_size=16,
                        num_layers=2, num_kv_heads=2, head_dim=33)  # padded, one transfer
@@ -268,7 +270,7 @@ def test_the_blocks_to_checksum_are_taken_first(tmp_path: Path):
         fastread.ST_ABSENT, fastread.ST_OK, fastread.ST_NOT_READ, fastread.ST_OK]
 
 
-# -- writes: kvfs._fastread.write_block, the save path's per-block work ---------------------
+# -- writes: kvfs.client._fastread.write_block, the save path's per-block work ---------------------
 
 
 def _zero_checksum_header(spec: kvfs.ModelSpec, h: bytes, **kw) -> bytes:

@@ -12,9 +12,9 @@ import xxhash
 torch = pytest.importorskip("torch")
 pytest.importorskip("zstandard")
 
-from kvfs import blockfile as bf  # noqa: E402
-from kvfs import codec  # noqa: E402
 from kvfs.client import gpudecode  # noqa: E402
+from kvfs.format import blockfile as bf  # noqa: E402
+from kvfs.format import codec  # noqa: E402
 
 from .test_codec import kv_like, needs_codec, raw_block  # noqa: E402
 

@@ -14,11 +14,11 @@ import pyfuse3
 import pytest
 import trio
 
-from kvfs import backing, fsck
-from kvfs.closer import closer
-from kvfs.fs import MountInfo, Operations
-from kvfs.index import ORPHAN_PARENT, ROOT_INODE, WAL_BACKSTOP_PAGES, Index
-from kvfs.store import BackingStore
+from kvfs.daemon import backing, scanner
+from kvfs.daemon.closer import closer
+from kvfs.daemon.fs import MountInfo, Operations
+from kvfs.daemon.index import ORPHAN_PARENT, ROOT_INODE, WAL_BACKSTOP_PAGES, Index
+from kvfs.daemon.store import BackingStore
 
 ROOT = SimpleNamespace(uid=0, gid=0, pid=1, umask=0o022)
 USER = SimpleNamespace(uid=1000, gid=1000, pid=2, umask=0o022)
@@ -30,7 +30,7 @@ def ops(tmp_path):
     (backing / ".kvfs").mkdir(parents=True)
     index = Index(str(backing / ".kvfs" / "index.db"))
     store = BackingStore(str(backing))
-    fsck.reconcile(index, store)
+    scanner.reconcile(index, store)
     o = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None))
     yield o
     index.close()
@@ -398,7 +398,7 @@ def test_random_sequences_match_a_model(tmp_path_factory, seq):
     (backing / ".kvfs").mkdir()
     index = Index(str(backing / ".kvfs" / "index.db"))
     store = BackingStore(str(backing))
-    fsck.reconcile(index, store)
+    scanner.reconcile(index, store)
     ops = Operations(index, store, MountInfo("/nonexistent", str(backing), capacity=None))
     model: dict[bytes, bytes] = {}
 
@@ -445,7 +445,7 @@ def test_random_sequences_match_a_model(tmp_path_factory, seq):
         assert listed[name].size == len(data)
         assert (backing / "t" / name.decode()).read_bytes() == data
     assert ops.stats.used_bytes == sum(len(d) for d in model.values())
-    report = fsck.reconcile(index, store)
+    report = scanner.reconcile(index, store)
     assert report.changes == 0, report.summary()
     index.close()
 
@@ -456,8 +456,8 @@ def test_random_sequences_match_a_model(tmp_path_factory, seq):
 def _foreign_tree(backing) -> dict:
     """A backing tree no index has seen: a tenant with a model namespace of blocks (one of
     them bad), plain files, a symlink, a temporary and nested directories."""
-    from kvfs import blockfile, hashing
-    from kvfs.layout import TEMP_PREFIX
+    from kvfs.format import blockfile, hashing
+    from kvfs.format.layout import TEMP_PREFIX
 
     ns = backing / "acme" / "llama@0123456789abcdef"
     blocks = []
@@ -493,7 +493,7 @@ def _adopt_foreign(tmp_path) -> tuple[dict, Index, BackingStore, MountInfo]:
     tree = _foreign_tree(backing)
     index = Index(str(backing / ".kvfs" / "index.db"))
     store = BackingStore(str(backing))
-    report = fsck.adopt(index, store)
+    report = scanner.adopt(index, store)
     assert report.added.count == 1  # the tenant; nothing below it yet
     return tree, index, store, MountInfo(str(tmp_path / "mnt"), str(backing), capacity=None)
 
@@ -539,7 +539,7 @@ def _walk(ops, inode=ROOT_INODE, path=b""):
 
 
 def test_adopted_tree_is_listed_when_first_named(adopted):
-    from kvfs.layout import TEMP_PREFIX
+    from kvfs.format.layout import TEMP_PREFIX
 
     ops, tree = adopted
     tenant = ops.index.lookup(ROOT_INODE, b"acme")
@@ -596,14 +596,14 @@ def test_adopted_tree_is_listed_when_first_named(adopted):
     assert ops.stats.total_files == tree["files"] - 1  # f3 was renamed over f4
     assert ops.stats.used_bytes == tree["bytes"] - 4
     # The index now equals what a full fsck builds: a full fsck finds nothing to change.
-    report = fsck.reconcile(ops.index, ops.store)
+    report = scanner.reconcile(ops.index, ops.store)
     assert report.changes == 0, report.summary()
 
 
 def test_adopted_tree_is_indexed_in_the_background(adopted):
     import time
 
-    from kvfs.layout import TEMP_PREFIX
+    from kvfs.format.layout import TEMP_PREFIX
 
     ops, tree = adopted
     ops.adoption.LIST_CHUNK = 7  # several transactions per directory
@@ -628,7 +628,7 @@ def test_adopted_tree_is_indexed_in_the_background(adopted):
     assert ops.snapshot()["indexing"]["directories_left"] == 0
     assert os.path.exists(fresh) and ops.adoption.reconciler.report.removed_temp.count == 1
     os.unlink(fresh)
-    assert fsck.reconcile(ops.index, ops.store).changes == 0
+    assert scanner.reconcile(ops.index, ops.store).changes == 0
 
 
 def test_adoption_cut_short_resumes(tmp_path):
@@ -654,20 +654,20 @@ def test_adoption_cut_short_resumes(tmp_path):
 
     run(list_part)
     assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
-    report = fsck.reconcile(index, store, lazy=True)  # the mount's quick fsck
+    report = scanner.reconcile(index, store, lazy=True)  # the mount's quick fsck
     assert len(ops.index.children(c_dir)) == 20 and c_dir in ops.index.unlisted()
     assert report.dropped.count == 0
     ops2 = Operations(index, store, info)
     run(ops2.adoption.run)
     assert len(ops2.index.children(c_dir)) == 50 and not ops2.adoption.unlisted
     assert ops2.stats.total_files == tree["files"]
-    assert fsck.reconcile(index, store).changes == 0
+    assert scanner.reconcile(index, store).changes == 0
 
 
 def test_full_fsck_lists_what_the_mount_left_unlisted(tmp_path):
     tree, index, store, info = _adopt_foreign(tmp_path)
-    assert fsck.reconcile(index, store, lazy=True).added.count == 0  # left to the mount
-    report = fsck.reconcile(index, store)
+    assert scanner.reconcile(index, store, lazy=True).added.count == 0  # left to the mount
+    report = scanner.reconcile(index, store)
     assert index.unlisted() == [] and report.quarantined.count == 1
     assert report.removed_temp.count == 1
     ops = Operations(index, store, info)
@@ -772,9 +772,9 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
     """A lookup that fetches a block from a lower tier changes its directory: in a directory
     being listed it waits, so that the listing (which read the directory before the block
     arrived) does not drop the fetched block's entry as gone."""
-    from kvfs import blockfile, hashing
-    from kvfs.tiers import DirTier
-    from kvfs.tiers.mover import Tiering
+    from kvfs.daemon.tiers import DirTier
+    from kvfs.daemon.tiers.mover import Tiering
+    from kvfs.format import blockfile, hashing
 
     backing = tmp_path / "backing"
     (backing / ".kvfs").mkdir(parents=True)
@@ -791,7 +791,7 @@ def test_a_fetch_into_a_directory_being_listed_waits_for_the_listing(tmp_path, m
     (cold / hashing.block_filename(h)).write_bytes(data)
     index = Index(str(backing / ".kvfs" / "index.db"))
     store = BackingStore(str(backing))
-    fsck.adopt(index, store)
+    scanner.adopt(index, store)
 
 
     async def go():
@@ -861,7 +861,7 @@ def test_a_listing_leaves_a_file_being_written_alone(adopted):
     """A block file open for writing through the mount when its directory is listed (its
     size and header on disk are mid-change): the listing leaves it as the daemon knows it,
     never refreshed from what it read, never quarantined."""
-    from kvfs import hashing
+    from kvfs.format import hashing
 
     ops, tree = adopted
     h, path = tree["blocks"][0]

@@ -1,4 +1,4 @@
-"""Tests for kvfs.hashing: pinned vectors, chaining, names and model fingerprints."""
+"""Tests for kvfs.format.hashing: pinned vectors, chaining, names and model fingerprints."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvfs.hashing import (
+from kvfs.format.hashing import (
     ROOT_PARENT,
     ModelSpec,
     block_filename,
@@ -103,7 +103,7 @@ def test_bad_arguments() -> None:
 
 def test_deterministic_across_processes() -> None:
     code = (
-        "from kvfs.hashing import block_hashes, ModelSpec;"
+        "from kvfs.format.hashing import block_hashes, ModelSpec;"
         "print(block_hashes(range(32), 16, extra='lora:1')[1].hex());"
         "print(ModelSpec('m', 'r', 'float16', 16, 2, 2, 64, extras={'b': '1', 'a': '2'}).namespace)"
     )

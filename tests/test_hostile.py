@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import blockfile, control, hashing
+from kvfs.format import blockfile, control, hashing
 
 from .conftest import kvfs, run_as
 from .s3server import s3  # noqa: F401 - the fixture
@@ -291,15 +291,15 @@ def test_5_a_fetch_never_places_a_block_in_another_tree(mount_factory, s3):  # n
 
 
 def test_6_fsck_never_follows_a_directory_swapped_after_its_listing(mount_factory, monkeypatch):
-    from kvfs import fsck
-    from kvfs.index import ROOT_INODE, Index
-    from kvfs.store import BackingStore
+    from kvfs.daemon import scanner
+    from kvfs.daemon.index import ROOT_INODE, Index
+    from kvfs.daemon.store import BackingStore
 
     m = setup(mount_factory)
     sh_b(f"mkdir {m.mnt}/b/ns && echo v > {m.mnt}/b/ns/victim-file")
     sh_a(f"mkdir -p {m.mnt}/a/ns/sub && echo a > {m.mnt}/a/ns/sub/mine")
     m.stop()
-    walk_dir = fsck.Reconciler.walk_dir
+    walk_dir = scanner.Reconciler.walk_dir
 
     def racing(self, dnode, drel, listing, stack):
         walk_dir(self, dnode, drel, listing, stack)
@@ -307,10 +307,10 @@ def test_6_fsck_never_follows_a_directory_swapped_after_its_listing(mount_factor
             sh_a(f"mv {m.backing}/a/ns/sub {m.backing}/a/ns/sub.real && "
                  f"ln -s {m.backing}/b/ns {m.backing}/a/ns/sub")
 
-    monkeypatch.setattr(fsck.Reconciler, "walk_dir", racing)
+    monkeypatch.setattr(scanner.Reconciler, "walk_dir", racing)
     index = Index(str(m.backing / ".kvfs" / "index.db"))
     try:
-        fsck.reconcile(index, BackingStore(str(m.backing)), verify=True)
+        scanner.reconcile(index, BackingStore(str(m.backing)), verify=True)
         names, todo = set(), [index.lookup(ROOT_INODE, b"a")]
         while todo:  # everything indexed under the attacker's tenant
             for child in index.children(todo.pop().inode, limit=1 << 30):
@@ -430,7 +430,7 @@ def test_paths_past_path_max_work(mount_factory):
 
 @pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "walk"])
 def test_resolver_refuses_links_anywhere(tmp_path, monkeypatch, openat2):
-    from kvfs import backing
+    from kvfs.daemon import backing
 
     monkeypatch.setattr(backing, "use_openat2", openat2)
     root = tmp_path / "root"
@@ -630,16 +630,16 @@ def test_one_tenant_cannot_take_every_io_thread(tmp_path):
 
     import trio
 
-    from kvfs import fsck
-    from kvfs.fs import MountInfo, Operations
-    from kvfs.index import Index
-    from kvfs.store import BackingStore
+    from kvfs.daemon import scanner
+    from kvfs.daemon.fs import MountInfo, Operations
+    from kvfs.daemon.index import Index
+    from kvfs.daemon.store import BackingStore
 
     backing_dir = tmp_path / "backing"
     (backing_dir / ".kvfs").mkdir(parents=True)
     index = Index(str(backing_dir / ".kvfs" / "index.db"))
     store = BackingStore(str(backing_dir))
-    fsck.reconcile(index, store)
+    scanner.reconcile(index, store)
     ops = Operations(index, store, MountInfo(str(tmp_path / "mnt"), str(backing_dir), None),
                      io_threads=8)
     release = threading.Event()

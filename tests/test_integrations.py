@@ -69,7 +69,7 @@ def test_check_target_says_what_is_wrong(mount, tmp_path):
 
 
 def test_parts_round_trip_and_bad_parts_change_nothing(mount):
-    from kvfs.hashing import ModelSpec
+    from kvfs.format.hashing import ModelSpec
 
     kvfs("tenant", "add", str(mount.mnt), "t", "--uid", "0", "--gid", "0")
     spec = ModelSpec(model="m", revision="", kv_dtype="bfloat16", block_size=16,
@@ -99,9 +99,9 @@ def test_large_blocks_written_in_hashed_pieces_read_back_verified(mount):
     parts whose boundaries fall inside a piece, and a flipped byte is still caught."""
     import xxhash
 
-    from kvfs import blockfile
-    from kvfs.hashing import ModelSpec
-    from kvfs.transport import HASH_PIECE, ONE_READ_BYTES
+    from kvfs.client.transport import HASH_PIECE, ONE_READ_BYTES
+    from kvfs.format import blockfile
+    from kvfs.format.hashing import ModelSpec
 
     kvfs("tenant", "add", str(mount.mnt), "t", "--uid", "0", "--gid", "0")
     spec = ModelSpec(model="m", revision="", kv_dtype="bfloat16", block_size=256,

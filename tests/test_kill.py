@@ -4,7 +4,7 @@ Each round runs writers in place and by rename, readers, renames and unlinks (th
 completed step journaled outside the mount), `ls -lR` in a loop, and kvfs client saves and
 loads; then the daemon is killed with SIGKILL. Nothing from outside helps it go (no
 fusectl, no fusermount): its process must end and its mount must go by themselves (the
-watchdog, `kvfs.watchdog`), and no process on the mount may hang. At the next mount: no
+watchdog, `kvfs.daemon.watchdog`), and no process on the mount may hang. At the next mount: no
 complete file is lost, none has a wrong size or content, every block loads and verifies, and
 a full `kvfs fsck --verify` of the tree finds nothing to fix.
 
@@ -30,7 +30,7 @@ from .conftest import force_unmount, kvfs
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
-from kvfs import watchdog  # noqa: E402
+from kvfs.daemon import watchdog  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 from . import kvload  # noqa: E402
@@ -291,7 +291,7 @@ def test_sigkill_while_a_notification_waits_on_a_lookup(mount_factory, monkeypat
 
 
 def watchdog_of(pid: int) -> int | None:
-    """The pid of daemon `pid`'s watchdog process (`python -m kvfs.watchdog PID ...`)."""
+    """The pid of daemon `pid`'s watchdog process (`python -m kvfs.daemon.watchdog PID ...`)."""
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -300,7 +300,7 @@ def watchdog_of(pid: int) -> int | None:
                 argv = f.read().split(b"\0")
         except OSError:
             continue
-        if b"kvfs.watchdog" in argv and str(pid).encode() in argv:
+        if b"kvfs.daemon.watchdog" in argv and str(pid).encode() in argv:
             return int(entry)
     return None
 

@@ -116,7 +116,7 @@ def test_top_and_status(mount):
 
 
 def test_fstab_helper_translates_options():
-    from kvfs.fstab import translate
+    from kvfs.cli.fstab import translate
 
     assert translate("/b", "/m", "rw,_netdev,capacity=500G,shared=s3://k/p?region=x,debug,"
                      "x-systemd.automount,noauto") == [

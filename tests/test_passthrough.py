@@ -1,5 +1,5 @@
 """FUSE passthrough through a real mount: the kernel reads and writes an open hot file's
-backing file itself (kvfs.passthrough), and nothing kvfs promises weakens.
+backing file itself (kvfs.daemon.passthrough), and nothing kvfs promises weakens.
 
 Each test that needs the kernel's passthrough checks first that the mount has it on
 (`passthrough_on`); on a kernel or in a container without it they skip, saying why.

@@ -1,5 +1,6 @@
-"""Tests for kvfs.policy, kvfs.simulate and kvfs.trace: policy semantics, the chain invariant
-for every chain-aware policy, the simulator and its optimum on tiny traces, trace files."""
+"""Tests for kvfs.models.policy, kvfs.models.simulate and kvfs.models.trace: policy semantics, the
+chain invariant for every chain-aware policy, the simulator and its optimum on tiny traces, trace
+files."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvfs.policy import (
+from kvfs.models.policy import (
     POLICIES,
     S3FIFO,
     ChainLRU,
@@ -22,8 +23,8 @@ from kvfs.policy import (
     _Ghosts,
     policy_by_name,
 )
-from kvfs.simulate import KNOWS, belady, clairvoyant, compare, main, simulate, unbounded
-from kvfs.trace import BlockIds, Request, agentic_trace, mixed_trace, read_trace, write_trace
+from kvfs.models.simulate import KNOWS, belady, clairvoyant, compare, main, simulate, unbounded
+from kvfs.models.trace import BlockIds, Request, agentic_trace, mixed_trace, read_trace, write_trace
 
 CHAIN_AWARE = [p for p in POLICIES if p != "lru"]
 

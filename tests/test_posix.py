@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import blockfile, hashing
+from kvfs.format import blockfile, hashing
 
 from .conftest import force_unmount, kvfs, run_as
 

@@ -1,4 +1,5 @@
-"""kvfs.tiers.presign: the same URLs as botocore for the same inputs, and SeaweedFS takes them."""
+"""kvfs.daemon.tiers.presign: the same URLs as botocore for the same inputs, and SeaweedFS
+takes them."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 import pytest
 
-from kvfs.tiers.presign import presign_get, presign_put
+from kvfs.daemon.tiers.presign import presign_get, presign_put
 
 from .s3server import s3  # noqa: F401 - the fixture
 

@@ -1,4 +1,4 @@
-"""Unit tests of kvfs.reclaim: eviction, refusals, retention and pruning, on a real backing
+"""Unit tests of kvfs.daemon.reclaim: eviction, refusals, retention and pruning, on a real backing
 directory and index, with no mount (no kernel, no FUSE session: the daemon's objects only)."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import pytest
 import trio
 from pyfuse3 import FUSEError
 
-from kvfs import codec, fsck
-from kvfs.adoption import Adoption
-from kvfs.capacity import Limits
-from kvfs.index import ROOT_INODE, Index
-from kvfs.reclaim import Reclaim
-from kvfs.store import BackingStore
-from kvfs.tree import MountInfo, Tree
+from kvfs.daemon import scanner
+from kvfs.daemon.adoption import Adoption
+from kvfs.daemon.capacity import Limits
+from kvfs.daemon.index import ROOT_INODE, Index
+from kvfs.daemon.reclaim import Reclaim
+from kvfs.daemon.store import BackingStore
+from kvfs.daemon.tree import MountInfo, Tree
+from kvfs.format import codec
 
 T0 = 1_700_000_000 * 10**9
 
@@ -40,7 +41,7 @@ class Daemon:
         self.backing = backing
         self.index = Index(str(backing / ".kvfs" / "index.db"))
         self.store = BackingStore(str(backing))
-        fsck.reconcile(self.index, self.store)
+        scanner.reconcile(self.index, self.store)
         info = MountInfo(str(tmp_path / "mnt"), str(backing), capacity, high_watermark=high,
                          low_watermark=low)
         self.tree = Tree(self.index, self.store, info)
@@ -210,9 +211,9 @@ def test_eviction_demotes_blocks_to_the_next_tier(tmp_path):
     """With a lower tier, an evicted block is demoted: its bytes go down, its name stays (in
     tier 1, out of the hot usage), and a later lookup can fetch it back. A plain file is
     deleted."""
-    from kvfs import blockfile, hashing  # noqa: PLC0415
-    from kvfs.tiers import DirTier  # noqa: PLC0415
-    from kvfs.tiers.mover import Tiering  # noqa: PLC0415
+    from kvfs.daemon.tiers import DirTier  # noqa: PLC0415
+    from kvfs.daemon.tiers.mover import Tiering  # noqa: PLC0415
+    from kvfs.format import blockfile, hashing  # noqa: PLC0415
 
     backing = tmp_path / "backing"
     (backing / ".kvfs").mkdir(parents=True)
@@ -227,7 +228,7 @@ def test_eviction_demotes_blocks_to_the_next_tier(tmp_path):
     (ns / "notes").write_bytes(b"n" * 10)
     index = Index(str(backing / ".kvfs" / "index.db"))
     store = BackingStore(str(backing))
-    fsck.reconcile(index, store)
+    scanner.reconcile(index, store)
     cold = tmp_path / "cold"
 
     async def go():

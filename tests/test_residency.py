@@ -1,5 +1,5 @@
-"""Unit tests of kvfs.residency: the per-tenant policies, the cold files beyond their bound, and
-the choice of victims. No mount, no FUSE, no backing files: an index and the usage counters."""
+"""Unit tests of kvfs.daemon.residency: the per-tenant policies, the cold files beyond their bound,
+and the choice of victims. No mount, no FUSE, no backing files: an index and the usage counters."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from kvfs import hashing
-from kvfs.capacity import Budget, Limits
-from kvfs.index import ROOT_INODE, Index, Node
-from kvfs.layout import MANIFEST
-from kvfs.residency import NoRoom, Plan, Residency, policy_key
-from kvfs.stats import Stats
+from kvfs.daemon.capacity import Budget, Limits
+from kvfs.daemon.index import ROOT_INODE, Index, Node
+from kvfs.daemon.residency import NoRoom, Plan, Residency, policy_key
+from kvfs.daemon.stats import Stats
+from kvfs.format import hashing
+from kvfs.format.layout import MANIFEST
 
 GB = 1 << 30
 
@@ -78,7 +78,7 @@ def test_no_fuse_and_no_trio():
     """Residency is plain code: importing it brings in neither pyfuse3 nor trio."""
     import subprocess  # noqa: PLC0415
 
-    code = ("import sys, kvfs.residency; "
+    code = ("import sys, kvfs.daemon.residency; "
             "print(sorted(m for m in ('pyfuse3', 'trio') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout

@@ -13,7 +13,7 @@ from .s3server import s3  # noqa: F401 - the fixture
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
-from kvfs import codec  # noqa: E402
+from kvfs.format import codec  # noqa: E402
 
 SPEC = kv.ModelSpec(model="org/shared", revision="r", kv_dtype="float16", block_size=16,
                     num_layers=2, num_kv_heads=2, head_dim=64)
@@ -160,7 +160,7 @@ def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # n
     import urllib.request
     from urllib.parse import quote
 
-    from kvfs import control
+    from kvfs.format import control
 
     a, b = mounts(mount_factory, s3)
     kvfs("tenant", "add", str(b.mnt), "u", "--uid", "1001", "--gid", "1001")
@@ -230,7 +230,7 @@ def test_a_hung_store_costs_misses_and_hits_return_after_it(mount_factory, s3): 
     assert torch.equal(out, kv_in)
 
 
-@pytest.mark.skipif(not codec.available(), reason="kvfs._codec not built")
+@pytest.mark.skipif(not codec.available(), reason="kvfs.format._codec not built")
 def test_the_shared_tier_holds_blocks_encoded(mount_factory, s3):  # noqa: F811
     """bfloat16 KV goes to the bucket encoded (lossless); the other host's client GETs the
     smaller objects with its grants and decodes them where they land: the same bytes."""

@@ -8,10 +8,10 @@ import os
 
 import pytest
 
-from kvfs import settings
 from kvfs.cli import build_parser, main
-from kvfs.config import ConfigError
-from kvfs.settings import BY_NAME, DEFAULTS, SETTINGS
+from kvfs.daemon import settings
+from kvfs.daemon.settings import BY_NAME, DEFAULTS, SETTINGS
+from kvfs.format.config import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,9 +51,9 @@ def test_table_is_whole_and_consistent():
 
 
 def test_daemon_defaults_come_from_the_table():
-    from kvfs.capacity import Budget
-    from kvfs.fs import MountInfo
-    from kvfs.mount import MountOptions
+    from kvfs.daemon.capacity import Budget
+    from kvfs.daemon.fs import MountInfo
+    from kvfs.daemon.mount import MountOptions
 
     fields = {f.name: f for f in dataclasses.fields(MountOptions)}
     for s in SETTINGS:
@@ -153,7 +153,7 @@ def test_watermarks_are_checked_together(capsys, tmp_path):
 
 
 def test_fstab_options_are_the_mount_options():
-    from kvfs.fstab import FLAGS, VALUED, translate
+    from kvfs.cli.fstab import FLAGS, VALUED, translate
 
     assert "io_threads" in VALUED and "config" in VALUED and "backing" not in VALUED
     assert FLAGS == {"debug", "no_write_through", "writeback_cache", "no_passthrough",
@@ -170,4 +170,4 @@ def test_docs_configuration_table_is_the_settings_table():
         docs = f.read()
     assert settings.markdown_table() in docs, (
         "docs/operations.md's configuration table is out of date: replace it with the output "
-        "of `python -m kvfs.settings`")
+        "of `python -m kvfs.daemon.settings`")

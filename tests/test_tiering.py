@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from kvfs import blockfile, hashing
+from kvfs.format import blockfile, hashing
 
 from .conftest import kvfs
 
@@ -106,7 +106,7 @@ def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_pa
         out = torch.zeros_like(kv_in)
         assert cb.load(hashes, out) == 6
         assert torch.equal(out, kv_in)
-        # One pass: the daemon handed the tier's files over (kvfs.handout) and fetched
+        # One pass: the daemon handed the tier's files over (kvfs.daemon.handout) and fetched
         # none of them; the load read them and wrote the hot copies behind.
         assert cb.stats["remote_blocks"] == 6
     tier = b.stats()["tiers"][0]
@@ -152,8 +152,8 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
     answer is not renamed into the hot tier behind the daemon's back."""
     import trio
 
-    from kvfs.tiers import DirTier
-    from kvfs.tiers.mover import Tiering
+    from kvfs.daemon.tiers import DirTier
+    from kvfs.daemon.tiers.mover import Tiering
 
     class LateTier(DirTier):
         def get(self, key, dest):
@@ -188,8 +188,8 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
 def test_concurrent_fetches_of_one_block_share_one_fetch(tmp_path):
     import trio
 
-    from kvfs.tiers import DirTier
-    from kvfs.tiers.mover import Tiering
+    from kvfs.daemon.tiers import DirTier
+    from kvfs.daemon.tiers.mover import Tiering
 
     calls = []
 
@@ -231,8 +231,8 @@ def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
 
     import trio
 
-    from kvfs.tiers import DirTier
-    from kvfs.tiers.mover import Tiering
+    from kvfs.daemon.tiers import DirTier
+    from kvfs.daemon.tiers.mover import Tiering
 
     release = threading.Event()
     calls = []
@@ -346,8 +346,8 @@ def test_the_handout_gives_a_grants_files_to_its_asker_alone_once(mount_factory,
     granted gets nothing; the descriptors are read-only and reach those files alone."""
     pytest.importorskip("torch")
     import kvfs as kv
-    from kvfs import control
     from kvfs.client import handout
+    from kvfs.format import control
 
     from .conftest import in_child
 
@@ -461,7 +461,7 @@ def test_blocks_below_are_stored_encoded(mount_factory, tmp_path, tier_codec):
     """Demoted blocks are stored encoded in the cold tier (lossless, the default; as saved
     with --tier-codec none); reads bring back the very bytes saved, and the tier and the
     namespace show the ratio."""
-    from kvfs import codec
+    from kvfs.format import codec
 
     cold = tmp_path / "cold"
     m = mount_factory(extra=["--capacity", "200K", "--cold", f"dir://{cold}",

@@ -15,9 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs import blockfile, hashing
-from kvfs.config import ConfigError
-from kvfs.tiers import (
+from kvfs.daemon.tiers import (
     Breaker,
     DirTier,
     S3Tier,
@@ -26,6 +24,8 @@ from kvfs.tiers import (
     fetch_deadline,
     parse_tier_url,
 )
+from kvfs.format import blockfile, hashing
+from kvfs.format.config import ConfigError
 
 from . import s3server
 

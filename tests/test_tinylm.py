@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvfs.client import KVCache
-from kvfs.tinylm import (
+from kvfs.models.tinylm import (
     TinyLM,
     TinyLMConfig,
     blocks_to_kv,
@@ -73,7 +73,7 @@ def test_continuation_from_a_restored_prefix_equals_a_recompute(model):
 def test_spec_names_the_weights():
     a, b = TinyLM(seed=1), TinyLM(seed=2)
     small = TinyLM(TinyLMConfig(num_layers=2), seed=1)
-    assert a.spec(BS).model == "kvfs/tinylm" and a.spec(BS).kv_dtype == "float32"
+    assert a.spec(BS).model == "kvfs/models/tinylm" and a.spec(BS).kv_dtype == "float32"
     assert a.spec(BS).block_shape == (4, 2, BS, 2, 64)
     assert a.spec(BS).fingerprint == TinyLM(seed=1).spec(BS).fingerprint
     namespaces = {m.spec(BS).namespace for m in (a, b, small)} | {a.spec(32).namespace}
@@ -95,7 +95,7 @@ def test_bad_inputs_are_refused(model):
 RESTORE = textwrap.dedent("""
     import json, sys, time
     from kvfs.client import KVCache
-    from kvfs.tinylm import TinyLM, restore_prefix
+    from kvfs.models.tinylm import TinyLM, restore_prefix
     args = json.loads(sys.argv[1])
     model = TinyLM(seed=args["seed"])
     with KVCache.open(args["mount"], tenant="acme", spec=model.spec(args["bs"])) as cache:

@@ -31,7 +31,7 @@ from .s3server import s3  # noqa: F401 - the fixture
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
-from kvfs import hashing  # noqa: E402
+from kvfs.format import hashing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 VENV_PY = ROOT / ".venv-vllm" / "bin" / "python"
@@ -264,7 +264,7 @@ def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
 def test_an_int8_namespace_is_its_own_and_restores(work, saved):
     """kv_codec int8: another namespace (no hit on the exact blocks A saved), whose blocks
     are int8 files; a second engine restores them; a codec kvfs lacks fails at start."""
-    from kvfs import blockfile
+    from kvfs.format import blockfile
 
     m, a = saved
     first = engine(work, *kvfs_args(m.mnt, kv_codec="int8"))

@@ -190,9 +190,10 @@ def verdicts(open_cache: Any, dev: Any, io: str, make_transport: Any = None) -> 
 
     import torch
 
-    from kvfs import blockfile, devsum
-    from kvfs.hashing import ModelSpec
-    from kvfs.transport import host_view
+    from kvfs.client import devsum
+    from kvfs.client.transport import host_view
+    from kvfs.format import blockfile
+    from kvfs.format.hashing import ModelSpec
 
     failures: list[str] = []
     rng = random.Random(14)
@@ -303,9 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         say("no CUDA GPU here (torch.cuda.is_available() is False): nothing to check")
         return 0
 
-    from kvfs import transport
-    from kvfs.client import KVCache
-    from kvfs.hashing import ModelSpec
+    from kvfs.client import KVCache, transport
+    from kvfs.format.hashing import ModelSpec
 
     try:
         import kvikio
@@ -441,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
         # The device's own verification: payload sums over every block, on the GPU.
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        from kvfs import devsum
+        from kvfs.client import devsum
 
         devsum.as_tuples(devsum.block_sums(kv_bytes.view(n, payload)))
         dt = time.perf_counter() - t0
@@ -480,12 +480,12 @@ def codec_check(open_cache: Any, spec: Any, dev: Any) -> tuple[dict[str, Any], l
     import torch
     import xxhash
 
-    from kvfs import blockfile, codec
     from kvfs.client import gpudecode
+    from kvfs.format import blockfile, codec
 
     if not codec.available():
-        say("codec: kvfs._codec is not built: nothing to check")
-        return {"skipped": "kvfs._codec not built"}, []
+        say("codec: kvfs.format._codec is not built: nothing to check")
+        return {"skipped": "kvfs.format._codec not built"}, []
     frames = gpudecode.nvcomp_frames(dev)
     if frames is None:
         say("codec: nvCOMP is not installed (pip install nvidia-nvcomp-cu12): planes blocks "
@@ -516,7 +516,7 @@ def codec_check(open_cache: Any, spec: Any, dev: Any) -> tuple[dict[str, Any], l
     if not torch.equal(out, kv):
         failures.append("codec: GPU decode differs")
     host = torch.empty(len(payload), dtype=torch.uint8, pin_memory=True)
-    from kvfs.transport import host_view
+    from kvfs.client.transport import host_view
 
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -569,8 +569,7 @@ def emulate(args: argparse.Namespace) -> int:
     the host, verifies by payload sums). For a machine with no GPU; not a GPU check."""
     import torch
 
-    from kvfs import transport
-    from kvfs.client import KVCache
+    from kvfs.client import KVCache, transport
 
     class EmulatedDevice(transport.PosixTransport):
         name = "emulated-device"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install everything kvfs needs on a fresh Debian/Ubuntu machine, from nothing:
 # the FUSE 3 packages (fusermount3, and libfuse3-dev + pkg-config to build pyfuse3), the xxhash
-# header (libxxhash-dev: kvfs's C modules, kvfs/_fastread.c and kvfs/_passthrough.c), libzstd-dev
-# (the block codec, kvfs/_codec.c), a venv in
+# header (libxxhash-dev: kvfs's C modules, kvfs/client/_fastread.c and
+# kvfs/daemon/_passthrough.c), libzstd-dev (the block codec, kvfs/format/_codec.c), a venv in
 # ./.venv, torch (CPU build) for the client, and kvfs itself with its dev extras.
 # Idempotent: a second run only checks. Run as root (or with sudo) for the apt step.
 set -euo pipefail
@@ -31,7 +31,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 echo "setup: installing kvfs"
 .venv/bin/pip install -q -e '.[dev,client]'
-.venv/bin/python -c "import kvfs._fastread" 2>/dev/null || echo "setup: warning: kvfs._fastread did not build (gcc, libxxhash-dev?): loads take the slower Python reads"
-.venv/bin/python -c "import kvfs._codec" 2>/dev/null || echo "setup: warning: kvfs._codec did not build (gcc, libzstd-dev?): blocks go to the lower tiers as saved, not encoded"
-.venv/bin/python -c "import kvfs._passthrough" 2>/dev/null || echo "setup: warning: kvfs._passthrough did not build (gcc?): the daemon serves every byte of the mount itself"
+.venv/bin/python -c "import kvfs.client._fastread" 2>/dev/null || echo "setup: warning: kvfs.client._fastread did not build (gcc, libxxhash-dev?): loads take the slower Python reads"
+.venv/bin/python -c "import kvfs.format._codec" 2>/dev/null || echo "setup: warning: kvfs.format._codec did not build (gcc, libzstd-dev?): blocks go to the lower tiers as saved, not encoded"
+.venv/bin/python -c "import kvfs.daemon._passthrough" 2>/dev/null || echo "setup: warning: kvfs.daemon._passthrough did not build (gcc?): the daemon serves every byte of the mount itself"
 .venv/bin/kvfs --version

@@ -13,14 +13,14 @@ Sources of blocks:
 
 For each source, on its blocks, one thread unless said (figures per core):
 
-- **ratio**: raw block files' bytes over the stored files' bytes (``kvfs.codec.encode_file``,
+- **ratio**: raw block files' bytes over the stored files' bytes (``kvfs.format.codec.encode_file``,
   blocks that do not pay stored as is), against zstd level 1 of each whole payload (the codec
   a user would reach for) and against the order-0 bound: each byte plane coded at its
   order-0 entropy (a plane whose entropy is 8 bits stored as is), which no coder of single
   bytes beats;
-- **decode GB/s** (payload bytes per second): ``kvfs.codec.decode_payload`` into a
+- **decode GB/s** (payload bytes per second): ``kvfs.format.codec.decode_payload`` into a
   destination buffer, both checksums checked, against the zstd library (libzstd, the one
-  ``kvfs._codec`` links) decompressing the same frames alone, in the same loop with the merge
+  ``kvfs.format._codec`` links) decompressing the same frames alone, in the same loop with the merge
   and the checksums left out: the library's own speed on these frames; and against zstd
   level 1 of the whole payload, decoded by python-zstandard;
 - **decode GB/s, all cores**: the same on ``--threads`` threads (one block each at a time),
@@ -73,7 +73,7 @@ from typing import Any
 
 import xxhash
 
-from .. import blockfile, codec
+from ..format import blockfile, codec
 from .common import finish
 from .harness import Mount, conditions, conditions_after, fuse_available
 from .records import Kind, figure_table
@@ -103,7 +103,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> str | None:
     if not codec.available():
-        return "kvfs._codec is not built (gcc, libzstd-dev; then reinstall kvfs)"
+        return "kvfs.format._codec is not built (gcc, libzstd-dev; then reinstall kvfs)"
     if min(args.tokens, args.llama_blocks, args.threads, args.repeats) < 1:
         return "--tokens, --llama-blocks, --threads and --repeats must be at least 1"
     if not os.path.isdir(args.dir):

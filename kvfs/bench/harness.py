@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .. import watchdog
+from ..daemon import watchdog
 from .seaweed import CLIENT_ENV, REGION, S3Server, free_ports, weed_binary
 
 __all__ = ["CLIENT_ENV", "REGION", "S3Server", "free_ports", "weed_binary"]

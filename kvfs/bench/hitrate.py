@@ -9,7 +9,7 @@ hot-tier capacity of a fraction of the trace's distinct blocks, with no backgrou
 (capacity is enforced by synchronous eviction, as the simulator does). Block bytes are scaled
 down (``--block-kib``; printed) so the working set fits on one machine; capacity is counted in
 blocks, all of one size. Beside each run: the offline optimum (Belady) and the same policy
-simulated in memory (`kvfs.simulate`), so the daemon's own behaviour is checked against it.
+simulated in memory (`kvfs.models.simulate`), so the daemon's own behaviour is checked against it.
 
 With ``--codec`` (repeatable: ``none``, ``planes``, ``int8``) the payloads are KV-like
 (bfloat16 normal values, one log-normal scale per head, head_dim 64: the codec benchmark's
@@ -28,10 +28,10 @@ import tempfile
 import time
 from typing import Any
 
-from .. import simulate
-from ..hashing import ModelSpec
-from ..policy import DEFAULT_POLICY
-from ..trace import GENERATORS, Request, describe
+from ..format.hashing import ModelSpec
+from ..models import simulate
+from ..models.policy import DEFAULT_POLICY
+from ..models.trace import GENERATORS, Request, describe
 from .common import finish
 from .harness import Mount, conditions, mounted
 from .plot import data_ticks, title
@@ -364,9 +364,9 @@ leading run of cached blocks is its hits), `load` of the hits, `save` of the res
 recompute). The mount's capacity is a fraction of the trace's distinct blocks (block payloads
 scaled down, as the record says), with synchronous eviction only (both watermarks at 1.0), so
 capacity is counted in blocks as in the simulator. Beside each run: the same policy replayed
-in memory by `kvfs.simulate` and the offline optimum (Belady, evicting the deeper of two
+in memory by `kvfs.models.simulate` and the offline optimum (Belady, evicting the deeper of two
 blocks next used by the same request first, which keeps the cache prefix-closed;
-`kvfs/simulate.py` says why this is the optimum). Where rows carry a concurrency (sessions
+`kvfs/models/simulate.py` says why this is the optimum). Where rows carry a concurrency (sessions
 interleaved), the plot also shows hit rate against it. LRU at the same capacity is the
 baseline: "gap closed" is how much of LRU's distance to the optimum a policy recovers. The
 synthetic trace published with the Mooncake paper (kvcache-ai/Mooncake; its first 200 requests

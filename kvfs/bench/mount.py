@@ -4,12 +4,9 @@ Every figure is a ratio against a baseline measured in the same run, on the same
 the same files (or a sibling directory of the same filesystem), with the conditions recorded
 beside it:
 
-1. sequential throughput: threaded 1 MiB `preadv`/`pwritev` into preallocated buffers, through
-   the mount and directly on the backing files; warm and cold page cache; `fio` (O_DIRECT) on
-   the backing files as the physical limit;
-2. metadata: create, stat and `ls -l` of N files in one directory, through the mount and in a
+1. metadata: create, stat and `ls -l` of N files in one directory, through the mount and in a
    plain directory of the backing filesystem;
-3. scale: an index of a million files: first mount of the tree (the mount serves at once and
+2. scale: an index of a million files: first mount of the tree (the mount serves at once and
    indexes the tree while serving: the time to serve, lookup latency meanwhile, and the time
    until every directory is indexed), second mount (index trusted), lookup latency with a
    cold kernel cache, the daemon's memory.
@@ -49,10 +46,8 @@ from .harness import (
 from .mount_phases import (
     bench_meta,
     bench_scale,
-    bench_throughput,
     log,
     read_ahead_kb,
-    threads_text,
 )
 from .plot import ratio_bars
 from .records import Kind, figure_table
@@ -62,8 +57,7 @@ from .records import Kind, figure_table
 
 def mount_conditions(work: str) -> dict[str, Any]:
     """The one schema (:func:`kvfs.bench.harness.conditions`) and this benchmark's extras."""
-    cond = conditions({"work dir": work}, modules=("pyfuse3",), gpu=False, load=True,
-                      tools={"fio": ["fio", "--version"]})
+    cond = conditions({"work dir": work}, modules=("pyfuse3",), gpu=False, load=True)
     cond.update(ls=first_line(["ls", "--version"]), backing_read_ahead_kb=read_ahead_kb(work),
                 thread_handoff_us=thread_handoff_us())
     return cond
@@ -129,40 +123,6 @@ def _fmt(v: float, unit: str) -> str:
 
 def build_rows(res: dict[str, Any], args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    tp = res.get("throughput")
-    if tp:
-        for t in args.threads:
-            for kind, label in (("read_warm", "seq read, warm cache"),
-                                ("read_cold", "seq read, cold cache")):
-                k_m, k_d = f"{kind}_mount_{t}t", f"{kind}_direct_{t}t"
-                if k_m in tp:
-                    r = Row(f"{label}, {threads_text(t)}", tp[k_m]["gbps"], tp[k_d]["gbps"],
-                            "GB/s", "same files on the backing fs", ">= 0.6x")
-                    r.ok = r.ratio >= 0.6
-                    rows.append(r)
-            # Shown, not a target: O_DIRECT through FUSE copies every byte through pyfuse3,
-            # which is why bulk bytes take the client's direct path instead.
-            k = f"read_daemon_mount_{t}t"
-            rows.append(Row(f"seq read, O_DIRECT via the mount (every byte through the "
-                            f"daemon), {threads_text(t)}", tp[k]["gbps"],
-                            tp[f"read_warm_direct_{t}t"]["gbps"], "GB/s",
-                            "same files on the backing fs, warm"))
-        if "fio_read" in tp:
-            best = max(args.threads)
-            for kind in ("read_cold", "read_warm"):
-                key = f"{kind}_mount_{best}t"
-                if key in tp:
-                    rows.append(Row(f"seq read, {kind[5:]} cache, {best} threads, "
-                                    "mount vs physical limit", tp[key]["gbps"],
-                                    tp["fio_read"]["gbps"], "GB/s",
-                                    "fio O_DIRECT on the backing files"))
-                    break
-        for kind, label in (("write", "seq write, buffered"),
-                            ("write_fsync", "seq write + fsync")):
-            for t in args.threads:
-                rows.append(Row(f"{label}, {threads_text(t)}", tp[f"{kind}_mount_{t}t"]["gbps"],
-                                tp[f"{kind}_direct_{t}t"]["gbps"], "GB/s",
-                                "plain dir on the backing fs"))
     md = res.get("meta")
     if md:
         n = md["files"]
@@ -242,9 +202,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dir", default=None,
                    help="where the temporary work directory goes; its filesystem is the one "
                         "measured (default: the current working directory's)")
-    p.add_argument("--size-mib", type=int, default=128, help="size of each file (128)")
-    p.add_argument("--files", type=int, default=8, help="files for throughput (8)")
-    p.add_argument("--threads", default="1,4", help="thread counts (1,4)")
     p.add_argument("--repeats", type=int, default=3, help="runs per figure; median (3)")
     p.add_argument("--meta-files", type=int, default=100_000,
                    help="files in one directory for create/stat/ls -l (100000)")
@@ -261,10 +218,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="daemon RSS allowed above an empty mount's (128)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    p.add_argument("--skip-throughput", action="store_true")
     p.add_argument("--skip-meta", action="store_true")
     p.add_argument("--skip-scale", action="store_true")
-    p.add_argument("--no-fio", action="store_true", help="skip the fio physical-limit line")
     p.add_argument("--no-cold", action="store_true",
                    help="skip the cold-cache figures (they drop the machine's caches)")
     add_output_args(p)  # --out DIR / --json FILE: the record (mount.json, mount.png)
@@ -282,13 +237,10 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _stop)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.quick:
-        args.size_mib = min(args.size_mib, 8)
-        args.files = min(args.files, 4)
         args.repeats = 1
         args.meta_files = min(args.meta_files, 2000)
         args.scale_files = min(args.scale_files, 20_000)
         args.scale_lookups = min(args.scale_lookups, 500)
-    args.threads = [int(x) for x in str(args.threads).split(",") if x]
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
         print("bench_mount: needs /dev/fuse and fusermount3", file=sys.stderr)
         return 2
@@ -311,9 +263,6 @@ def main(argv: list[str] | None = None) -> int:
     params = {k: v for k, v in vars(args).items() if k not in ("json", "out", "keep", "dir")}
     results: dict[str, Any] = {}
     try:
-        if not args.skip_throughput:
-            log("== throughput ==")
-            results["throughput"] = bench_throughput(args, work, cold)
         if not args.skip_meta:
             log("== metadata ==")
             results["meta"] = bench_meta(args, work, cold)
@@ -350,13 +299,6 @@ KIND = Kind("mount", "Mount", "python tools/bench_mount.py --json docs/bench/mou
 `tools/bench_mount.py` mounts kvfs itself over a fresh directory of the filesystem being
 measured, and measures:
 
-- **Sequential throughput**: files of 128 MiB, 1 MiB `preadv`/`pwritev` requests into
-  preallocated page-aligned buffers, 1 and 4 threads, median of 3 runs. Reads go through the
-  mount and directly to the very same backing files, with a warm page cache and a cold one.
-  "O_DIRECT via the mount" bypasses the mount's page cache so that every byte goes through the
-  daemon while the backing files stay cached. Writes create fresh files through the mount and
-  in a plain directory of the same filesystem, buffered, then with an `fsync` before each
-  close. `fio` (O_DIRECT, libaio, iodepth 8) on the backing files gives the device's limit.
 - **Metadata**: create, `lstat` and `ls -l` of 100,000 empty files in one directory, through
   the mount and in a plain directory of the same filesystem, dentries and inodes dropped before
   `stat` and the first `ls -l`; `ls -f` (names only) separates the directory stream from the
@@ -368,7 +310,12 @@ measured, and measures:
   an empty backing directory, `stat` of the same paths on the backing filesystem, the RSS of a
   daemon over an empty backing directory.
 
-The targets are the issue's: reads through the mount at least 0.6x direct; `ls -l` of 100,000
+Sequential reads and writes through the mount are measured by the mount door benchmark
+(`kvfs bench door`: whole files of 2-256 MiB and the engines' patterns, warm and cold, against
+a plain directory of the same filesystem); records of this benchmark before 2026-12-04 also
+hold a throughput phase that it duplicated.
+
+The targets are the issue's: `ls -l` of 100,000
 entries within 3x of the backing filesystem; a million files mount "in seconds" (10 s here),
 with the daemon's memory bounded (the RSS of an empty mount plus 128 MiB). Cold caches and
 `allow_other` need root.""", figure_table, ("kvfs", "ratio"), plot=draw)

@@ -1,25 +1,23 @@
-"""The phases of the mount benchmark (:mod:`kvfs.bench.mount`): sequential throughput,
-metadata, and the scale of a million-file index, each through a kvfs mount and against the
-same work on its backing filesystem, in the same run.
+"""The phases of the mount benchmark (:mod:`kvfs.bench.mount`): metadata, and the scale of a
+million-file index, each through a kvfs mount and against the same work on its backing
+filesystem, in the same run. (Sequential reads and writes through the mount are the mount
+door benchmark's, :mod:`kvfs.bench.door`: whole files and the engines' patterns, warm and
+cold, against a plain directory of the same filesystem.)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import mmap
 import multiprocessing
 import os
 import random
-import shutil
 import signal
 import subprocess
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from .harness import Mount, drop_caches, median, quantile, read_text, settle
+from .harness import Mount, drop_caches, quantile, read_text, settle
 
 MiB = 1024 * 1024
 CHUNK = 1 * MiB
@@ -35,10 +33,6 @@ def read_ahead_kb(path: str) -> int | None:
     st = os.stat(path)
     text = read_text(f"/sys/class/bdi/{os.major(st.st_dev)}:{os.minor(st.st_dev)}/read_ahead_kb")
     return int(text) if text.strip() else None
-
-
-def threads_text(n: int) -> str:
-    return f"{n} thread" if n == 1 else f"{n} threads"
 
 
 def new_mount(work: str, prefix: str) -> Mount:
@@ -61,176 +55,6 @@ def stop(m: Mount) -> float:
 
 
 # -- throughput ------------------------------------------------------------------------------
-
-
-def _split(items: Sequence[str], n: int) -> list[list[str]]:
-    return [list(items[i::n]) for i in range(n) if items[i::n]]
-
-
-def runthreads_text(paths: Sequence[str], threads: int,
-                work: Callable[[str, memoryview], int]) -> tuple[float, int]:
-    """Run `work(path, buffer)` over the paths on `threads` threads, each with its own
-    preallocated 1 MiB page-aligned buffer; return (seconds, bytes)."""
-    groups = _split(paths, threads)
-    bufs = [mmap.mmap(-1, CHUNK) for _ in groups]
-    for b in bufs:
-        b.write(os.urandom(CHUNK))
-    done = [0] * len(groups)
-    errors: list[BaseException] = []
-    start = threading.Barrier(len(groups) + 1)
-
-    def body(i: int) -> None:
-        start.wait()
-        try:
-            mv = memoryview(bufs[i])
-            for p in groups[i]:
-                done[i] += work(p, mv)
-        except BaseException as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    ts = [threading.Thread(target=body, args=(i,)) for i in range(len(groups))]
-    for t in ts:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in ts:
-        t.join()
-    dt = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return dt, sum(done)
-
-
-def read_file(path: str, buf: memoryview, flags: int = 0) -> int:
-    fd = os.open(path, os.O_RDONLY | flags)
-    try:
-        off = 0
-        while True:
-            n = os.preadv(fd, [buf], off)
-            off += n
-            if n < len(buf):
-                return off
-    finally:
-        os.close(fd)
-
-
-def writer(size: int, fsync: bool) -> Callable[[str, memoryview], int]:
-    def write_file(path: str, buf: memoryview) -> int:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            off = 0
-            while off < size:
-                n = os.pwritev(fd, [buf[: min(len(buf), size - off)]], off)
-                off += n
-            if fsync:
-                os.fsync(fd)
-            return off
-        finally:
-            os.close(fd)
-
-    return write_file
-
-
-def measure_gbps(repeats: int, prepare: Callable[[], None],
-                 run: Callable[[], tuple[float, int]]) -> dict[str, Any]:
-    rates = []
-    for _ in range(repeats):
-        prepare()
-        dt, nbytes = run()
-        rates.append(nbytes / dt / 1e9)
-    return {"gbps": median(rates), "runs": rates}
-
-
-def fio_read(paths: Sequence[str]) -> dict[str, Any] | None:
-    fio = shutil.which("fio")
-    if fio is None:
-        return None
-    cmd = [fio, "--output-format=json", "--rw=read", "--bs=1M", "--direct=1",
-           "--ioengine=libaio", "--iodepth=8", "--group_reporting"]
-    for i, p in enumerate(paths):
-        cmd += [f"--name=f{i}", f"--filename={p}"]
-    res = subprocess.run(cmd, capture_output=True, text=True)
-    if res.returncode != 0:
-        log(f"fio failed: {res.stderr.strip()[:300]}")
-        return None
-    data = json.loads(res.stdout[res.stdout.index("{"):])
-    bw = data["jobs"][0]["read"]["bw_bytes"]
-    return {"gbps": bw / 1e9, "jobs": len(paths), "options": "O_DIRECT, libaio, iodepth 8, "
-            "1 MiB requests, one job per file, all files at once"}
-
-
-def bench_throughput(args: argparse.Namespace, work: str, cold: bool) -> dict[str, Any]:
-    size = args.size_mib * MiB
-    m = new_mount(work, "tp")
-    plain = os.path.join(work, "tp-plain")
-    os.makedirs(plain)
-    out: dict[str, Any] = {"files": args.files, "file_mib": args.size_mib,
-                           "request": "1 MiB", "repeats": args.repeats}
-    m.start()
-    try:
-        out["mount_read_ahead_kb"] = read_ahead_kb(m.mnt)
-        os.mkdir(os.path.join(m.mnt, TENANT), 0o755)
-        os.mkdir(os.path.join(m.mnt, TENANT, "seq"), 0o755)
-        names = [f"f{i:03d}.bin" for i in range(args.files)]
-        via_mount = [os.path.join(m.mnt, TENANT, "seq", n) for n in names]
-        via_backing = [os.path.join(m.backing, TENANT, "seq", n) for n in names]
-        via_plain = [os.path.join(plain, n) for n in names]
-
-        def nothing() -> None:
-            os.sync()
-
-        # Writes: fresh (truncated) files each time; the baseline writes the same sizes into
-        # a plain directory of the backing filesystem (writing the backing files behind the
-        # daemon's back would make its index lie).
-        for fsync in (False, True):
-            label = "write_fsync" if fsync else "write"
-            for t in args.threads:
-                for side, paths in (("mount", via_mount), ("direct", via_plain)):
-                    r = measure_gbps(args.repeats, nothing,
-                                     lambda p=paths, t=t, f=fsync: runthreads_text(
-                                         p, t, writer(size, f)))
-                    out[f"{label}_{side}_{t}t"] = r
-                    log(f"{label:11s} {side:6s} {threads_text(t)}: {r['gbps']:.2f} GB/s")
-        # The mount's files now hold the bytes; the direct side reads the very same files.
-        os.sync()
-
-        def rd(paths: list[str], t: int, flags: int = 0) -> Callable[[], tuple[float, int]]:
-            return lambda: runthreads_text(paths, t, lambda p, b: read_file(p, b, flags))
-
-        for t in args.threads:
-            for side, paths in (("mount", via_mount), ("direct", via_backing)):
-                runthreads_text(paths, t, lambda p, b: read_file(p, b))  # warm it
-                r = measure_gbps(args.repeats, lambda: None, rd(paths, t))
-                out[f"read_warm_{side}_{t}t"] = r
-                log(f"read warm   {side:6s} {threads_text(t)}: {r['gbps']:.2f} GB/s")
-            # O_DIRECT through the mount: every byte goes through the daemon (no page cache of
-            # the mount); the backing files themselves are cached, as in the warm baseline.
-            runthreads_text(via_backing, t, lambda p, b: read_file(p, b))
-            r = measure_gbps(args.repeats, lambda: None, rd(via_mount, t, os.O_DIRECT))
-            out[f"read_daemon_mount_{t}t"] = r
-            log(f"read daemon mount  {threads_text(t)}: {r['gbps']:.2f} GB/s "
-                "(O_DIRECT through the mount, backing cached)")
-        if cold:
-            for t in args.threads:
-                for side, paths in (("mount", via_mount), ("direct", via_backing)):
-                    r = measure_gbps(args.repeats, lambda: drop_caches(3), rd(paths, t))
-                    out[f"read_cold_{side}_{t}t"] = r
-                    log(f"read cold   {side:6s} {threads_text(t)}: {r['gbps']:.2f} GB/s")
-        else:
-            log("cold not measured (needs root to drop the page cache)")
-        if not args.no_fio:
-            if cold:
-                drop_caches(3)
-            r = fio_read(via_backing)
-            if r is not None:
-                out["fio_read"] = r
-                log(f"fio read (physical limit): {r['gbps']:.2f} GB/s")
-            else:
-                log("fio not installed: no physical-limit line")
-    finally:
-        stop(m)
-    check_log(m, out)
-    return out
 
 
 # -- metadata --------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ other processes on a shared machine moves far less than wall time.
 
 Warm, checksumming is CPU that raw ``preadv`` does not spend: the record states what it
 allows. After each round, xxh3_64 is timed over cached bytes (as many threads as the cell,
-each hashing one :data:`kvfs.transport.HASH_PIECE` buffer over and over; the median over
+each hashing one :data:`kvfs.client.transport.HASH_PIECE` buffer over and over; the median over
 rounds), and each direct row gets ``checksummed_fraction`` f (1 for ``verify="full"``; for
 "sampled", the share of these very blocks that the sample picks), ``copy_gbps`` (raw's GB/s),
 ``hash_gbps`` and ``bound_x_raw`` = 1 / (1 + f * copy / hash): the ratio a load would reach if

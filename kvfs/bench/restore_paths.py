@@ -32,7 +32,7 @@ CONTROL_BLOCKS = 64
 
 
 def spec_for(block_mib: int) -> Any:
-    from ..hashing import ModelSpec  # noqa: PLC0415
+    from ..format.hashing import ModelSpec  # noqa: PLC0415
 
     return ModelSpec(model="bench/llama-3-8b-shape", revision="r1", kv_dtype="bfloat16",
                      block_size=max(1, block_mib * MiB // TOKEN_BYTES), num_layers=LAYERS,
@@ -47,7 +47,7 @@ class Blocks:
         import torch  # noqa: PLC0415 - the client side
 
         from ..client import KVCache  # noqa: PLC0415
-        from ..transport import host_view  # noqa: PLC0415
+        from ..client.transport import host_view  # noqa: PLC0415
 
         self.spec = spec_for(block_mib)
         self.block_mib = block_mib
@@ -127,7 +127,7 @@ def _threaded_read(blocks: Blocks, pool: ThreadPoolExecutor, threads: int, *, ha
                    ) -> Run:
     import xxhash  # noqa: PLC0415
 
-    from ..transport import preadv_all  # noqa: PLC0415
+    from ..client.transport import preadv_all  # noqa: PLC0415
 
     def read(i: int) -> None:
         fd = os.open(blocks.paths[i], os.O_RDONLY | os.O_CLOEXEC)
@@ -326,11 +326,11 @@ def measure(runs: dict[str, Run], repeats: int, cold: bool, daemon_pid: int,
 def hash_rate(threads: int, trials: int = 5, per_thread: int = 64 * MiB) -> float:
     """GB/s of xxh3_64 over bytes in the CPU's cache, as the full verification hashes them:
     ``threads`` threads at once, each updating one streaming digest with its own buffer of
-    :data:`kvfs.transport.HASH_PIECE` bytes, ``per_thread`` bytes in all; the median of
+    :data:`kvfs.client.transport.HASH_PIECE` bytes, ``per_thread`` bytes in all; the median of
     ``trials`` trials."""
     import xxhash  # noqa: PLC0415
 
-    from ..transport import HASH_PIECE  # noqa: PLC0415
+    from ..client.transport import HASH_PIECE  # noqa: PLC0415
 
     bufs = [bytearray(os.urandom(HASH_PIECE)) for _ in range(threads)]
     count = max(1, per_thread // HASH_PIECE)
@@ -383,10 +383,10 @@ def bench_control(args: Any, mount: Mount) -> dict[str, Any]:
     """A 64-block request whose blocks carry 8 bytes of KV: what it costs beyond its bytes."""
     import torch  # noqa: PLC0415
 
-    from .. import control  # noqa: PLC0415
     from ..client import KVCache  # noqa: PLC0415
-    from ..hashing import ModelSpec  # noqa: PLC0415
-    from ..transport import host_view, preadv_all  # noqa: PLC0415
+    from ..client.transport import host_view, preadv_all  # noqa: PLC0415
+    from ..format import control  # noqa: PLC0415
+    from ..format.hashing import ModelSpec  # noqa: PLC0415
 
     spec = ModelSpec(model="bench/control", revision="r1", kv_dtype="float32", block_size=1,
                      num_layers=1, num_kv_heads=1, head_dim=1)

@@ -12,7 +12,7 @@ KV blocks). Each client moves all of them per batch, ``--threads`` (32) at a tim
 - ``awscrt``: one ``awscrt.s3.S3Client`` (TLS off, 32 active connections), every request of
   the batch submitted at once, the body copied from ``on_body`` chunks;
 - ``urllib3``: plain HTTP with SigV4 presigned URLs, signed per request inside the timed
-  batch by :mod:`kvfs.tiers.presign`; a ``PoolManager`` of 32 connections, 32 threads; the
+  batch by :mod:`kvfs.daemon.tiers.presign`; a ``PoolManager`` of 32 connections, 32 threads; the
   GET body read with ``readinto`` of the response's own ``http.client`` reader straight into
   the destination slice (urllib3's ``HTTPResponse.readinto`` reads into a temporary bytes
   object first), the PUT the presigned PUT URL with the bytes as its body.
@@ -34,7 +34,7 @@ such.
 
 Presigning: the time to presign ``--presign-urls`` GET URLs with botocore's
 ``generate_presigned_url`` (its signer as installed: the CRT signer when awscrt is importable,
-and its Python signer) and with :func:`kvfs.tiers.presign.presign_get`, in microseconds per
+and its Python signer) and with :func:`kvfs.daemon.tiers.presign.presign_get`, in microseconds per
 URL, median of 3.
 """
 
@@ -68,7 +68,7 @@ HOW = {
     "awscrt": "awscrt.s3.S3Client: TLS off, {t} active connections, all requests submitted; "
               "on_body chunks copied",
     "urllib3": "urllib3 PoolManager ({t} connections), {t} threads, URLs presigned per request "
-               "(kvfs.tiers.presign); GET readinto the buffer slice",
+               "(kvfs.daemon.tiers.presign); GET readinto the buffer slice",
 }
 #: The pip package of each client (what is missing is "not installed").
 PACKAGES = {"boto3": "boto3", "obstore": "obstore", "awscrt": "awscrt", "urllib3": "urllib3"}
@@ -265,7 +265,7 @@ class Urllib3(Client):
     def __init__(self, endpoint: str, threads: int) -> None:
         import urllib3  # noqa: PLC0415
 
-        from ..tiers.presign import presign_get, presign_put  # noqa: PLC0415
+        from ..daemon.tiers.presign import presign_get, presign_put  # noqa: PLC0415
 
         self.endpoint = endpoint
         self.presign_get, self.presign_put = presign_get, presign_put
@@ -347,8 +347,8 @@ def installed(name: str) -> bool:
 
 def presign_costs(endpoint: str, keys: list[str], repeats: int = 3) -> dict[str, Any]:
     """Microseconds per presigned GET URL: botocore (its signer as installed, and its Python
-    signer) and kvfs.tiers.presign; the median of ``repeats`` passes over ``keys``."""
-    from ..tiers.presign import presign_get  # noqa: PLC0415
+    signer) and kvfs.daemon.tiers.presign; the median of ``repeats`` passes over ``keys``."""
+    from ..daemon.tiers.presign import presign_get  # noqa: PLC0415
 
     out: dict[str, Any] = {"urls": len(keys), "repeats": repeats}
 
@@ -617,7 +617,7 @@ def conditions_line(record: dict[str, Any]) -> str:
 def presign_text(p: dict[str, Any]) -> list[str]:
     if not isinstance(p, dict) or not p:
         return []
-    parts = [f"kvfs.tiers.presign {p.get('kvfs_us', '-')} us/URL"]
+    parts = [f"kvfs.daemon.tiers.presign {p.get('kvfs_us', '-')} us/URL"]
     if number(p.get("botocore_us")) is not None:
         parts.insert(0, f"botocore generate_presigned_url {p['botocore_us']} us/URL "
                         f"({p.get('botocore_signer', '?')} signer)")
@@ -741,8 +741,8 @@ mini`, as the tests start it): boto3 (one client, 32 threads, `max_pool_connecti
 obstore (asyncio, 32 requests in flight), awscrt's S3 client (`awscrt.s3`, TLS off, 32 active
 connections, every request of a batch submitted at once), and plain HTTP: urllib3 (a
 `PoolManager` of 32 connections, 32 threads) with SigV4 presigned URLs, signed per request
-inside the timed batch by `kvfs.tiers.presign`, the GET body read with `readinto` straight into
-the destination. Every client does the same job: a GET batch lands each of the objects (64 x 2
+inside the timed batch by `kvfs.daemon.tiers.presign`, the GET body read with `readinto` straight
+into the destination. Every client does the same job: a GET batch lands each of the objects (64 x 2
 MiB) in its slice of one preallocated buffer (what boto3 and obstore return is copied there,
 timed), a PUT batch uploads each from a `bytes` object. Each client runs with its own defaults
 otherwise: a boto3 PUT over plain HTTP carries the payload's SHA-256 in its signature, a CRC32
@@ -757,7 +757,7 @@ and of every other process on the machine (other work that disturbed the batch).
 bytes are verified (xxh3_64 against the bytes uploaded, untimed, after the batch), and the last
 round's PUTs are read back and verified. Presigning is timed separately: botocore's
 `generate_presigned_url` (with the signer botocore picks, the CRT one when awscrt is
-installed, and its Python one) against `kvfs.tiers.presign`, per URL. Loopback on a small
+installed, and its Python one) against `kvfs.daemon.tiers.presign`, per URL. Loopback on a small
 machine measures the clients' CPU cost per byte more than any network: the server shares the
 CPUs with the client.""",
             table, ("gbps", "ratio_to_fastest", "batch_ms", "client_cpu_ms", "server_cpu_ms",

@@ -73,15 +73,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import add_output_args, finish, portable
-from .harness import (
-    REGION,
-    FaultProxy,
-    Mount,
-    S3Server,
-    conditions,
-    conditions_after,
-    weed_binary,
-)
+from .harness import REGION, FaultProxy, Mount, S3Server, conditions, conditions_after, weed_binary
 from .plot import ratio_bars, title
 from .records import Kind, figure_table, number
 

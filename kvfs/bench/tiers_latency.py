@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ..client import KVCache
-from ..hashing import ModelSpec
+from ..format.hashing import ModelSpec
 from .harness import FaultProxy, Mount, S3Server, median, summary
 from .tiers_restore import (
     HEADER,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..client import KVCache
-from ..hashing import ModelSpec, block_relpath
+from ..format.hashing import ModelSpec, block_relpath
 from .harness import REGION, Mount, host_buffer, median
 
 MiB = 1 << 20
@@ -178,7 +178,7 @@ class RawFiles:
             fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
             try:
                 view = self.buf[i * self.file_bytes:(i + 1) * self.file_bytes]
-                # A file's own size: an encoded block's (kvfs.codec) is smaller.
+                # A file's own size: an encoded block's (kvfs.format.codec) is smaller.
                 if _preadv_all(fd, view) != min(os.fstat(fd).st_size, self.file_bytes):
                     raise OSError(f"{paths[i]}: short read")
             finally:
@@ -207,7 +207,7 @@ class RawS3:
         def one(key: str) -> None:
             got = self.client.get_object(Bucket=BUCKET, Key=key)
             body = got["Body"]
-            try:  # the object's own size: an encoded block's (kvfs.codec) is smaller
+            try:  # the object's own size: an encoded block's (kvfs.format.codec) is smaller
                 if len(body.read()) != min(size, got["ContentLength"]):
                     raise OSError(f"{key}: short object")
             finally:

@@ -2,6 +2,9 @@
 
 Exit codes: 0 success; 1 the operation failed (the message says why); 2 bad usage or
 configuration; 3 not a kvfs mount / not mounted.
+
+Imports: any folder of kvfs (the command line is the top layer); nothing imports it but
+its own entry points.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import argparse
 import sys
 
 from .. import __version__
-from ..config import ConfigError
+from ..format.config import ConfigError
 from . import bench, daemon, demo, fsck, status, tenants
 from .common import EXIT_FAIL, EXIT_NOT_MOUNTED, EXIT_USAGE, CliError
 

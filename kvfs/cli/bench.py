@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..policy import DEFAULT_POLICY, POLICIES
+from ..models.policy import DEFAULT_POLICY, POLICIES
 from .common import EXIT_USAGE, CliError
 
 
@@ -98,7 +98,7 @@ def cmd_bench_hitrate(args: argparse.Namespace) -> int:
     if args.codec and args.block_kib < 2 * 512 * 64 * 2 // 1024:
         raise CliError("--codec needs --block-kib of at least 128 (one KV head of 64 "
                        "bfloat16 values per token, K and V)", EXIT_USAGE)
-    from ..trace import generator_options  # noqa: PLC0415
+    from ..models.trace import generator_options  # noqa: PLC0415
 
     try:
         args.options = (generator_options(args.trace, args.set)
@@ -200,8 +200,8 @@ def cmd_bench_codec(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_trace(args: argparse.Namespace) -> int:
-    from .. import trace  # noqa: PLC0415
     from ..bench.common import conditions, finish  # noqa: PLC0415
+    from ..models import trace  # noqa: PLC0415
 
     if (args.describe is None) == (args.output is None):
         raise CliError("give --output FILE (write a generated trace) or --describe FILE "
@@ -300,7 +300,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bh.add_argument("--limit", type=int, help="replay only the first N requests")
     bh.add_argument("--seed", type=int, default=0, help="for generated traces")
     bh.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="an option of the generated trace (see kvfs.trace), e.g. "
+                    help="an option of the generated trace (see kvfs.models.trace), e.g. "
                          "sessions=40; repeatable")
     bh.add_argument("--concurrency", type=int, action="append",
                     help="agentic trace: run its sessions N at a time (repeatable: one point "
@@ -315,7 +315,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bc.add_argument("--repeats", type=int, default=3)
     bc.add_argument("--cold", action="store_true", help="drop the page cache before restores")
     bc.add_argument("--model", action="append", metavar="FIELD=VALUE",
-                    help="a larger demo model: any kvfs.tinylm.TinyLMConfig field, e.g. "
+                    help="a larger demo model: any kvfs.models.tinylm.TinyLMConfig field, e.g. "
                          "num_layers=16 d_model=1024 (repeatable)")
     bc.add_argument("--block-size", type=int, default=16, dest="block_size",
                     help="tokens per KV block (16)")
@@ -415,7 +415,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     bt.add_argument("--requests", type=int, help="mixed: requests (default 4000)")
     bt.add_argument("--seed", type=int)
     bt.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="any other generator option (see kvfs.trace), e.g. turns=20")
+                    help="any other generator option (see kvfs.models.trace), e.g. turns=20")
     bt.add_argument("--block-tokens", type=int, default=512, dest="block_tokens",
                     help="tokens per block id, for measuring (default 512)")
     add_output_args(bt)

@@ -1,5 +1,5 @@
 """`kvfs mount` and `kvfs umount`: the daemon, in the foreground or started in the background
-with every setting on its command line (kvfs.settings)."""
+with every setting on its command line (kvfs.daemon.settings)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,13 @@ import sys
 import time
 from typing import Any
 
-from .. import settings
-from ..capacity import Budget
+from ..daemon import settings
+from ..daemon.capacity import Budget
 from .common import EXIT_FAIL, EXIT_USAGE, CliError, log, private_log, read_stats, setup_logging
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
-    from ..mount import MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
+    from ..daemon.mount import MountOptions  # noqa: PLC0415 - pyfuse3 only where needed
 
     values = settings.resolve(args, settings.load(args.config) if args.config else {})
     if not values["backing"] or not values["mountpoint"]:
@@ -54,7 +54,7 @@ def cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
-    from ..mount import MountError, run  # noqa: PLC0415
+    from ..daemon.mount import MountError, run  # noqa: PLC0415
 
     setup_logging(log_file, opts.debug)
 

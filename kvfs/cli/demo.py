@@ -1,4 +1,4 @@
-"""`kvfs demo`: mount a demo kvfs with real KV blocks in it (kvfs.demo)."""
+"""`kvfs demo`: mount a demo kvfs with real KV blocks in it (kvfs.models.demo)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from ..demo import run_demo  # noqa: PLC0415
+    from ..models.demo import run_demo  # noqa: PLC0415
 
     return run_demo(args.dir)
 

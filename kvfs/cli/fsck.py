@@ -10,8 +10,8 @@ from .common import CliError, setup_logging
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from .. import fsck  # noqa: PLC0415
-    from ..mount import MountError, open_index, open_state_dir  # noqa: PLC0415
+    from ..daemon import scanner  # noqa: PLC0415
+    from ..daemon.mount import MountError, open_index, open_state_dir  # noqa: PLC0415
 
     setup_logging(None, args.debug)
     try:
@@ -23,7 +23,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     def progress(n: int) -> None:
         print(f"\rfsck: {n} entries", end="", file=sys.stderr, flush=True)
 
-    report = fsck.reconcile(index, store, verify=args.verify, progress=progress)
+    report = scanner.reconcile(index, store, verify=args.verify, progress=progress)
     print("", file=sys.stderr)
     index.set_meta("clean", "1")
     index.close()

@@ -8,7 +8,7 @@ import os
 import sys
 import time
 
-from .. import control
+from ..format import control
 from .common import EXIT_FAIL, EXIT_USAGE, CliError, human, print_table, read_stats
 
 

@@ -16,13 +16,16 @@ Integrity: every loaded block's header is checked and, with ``verify="full"`` (t
 its payload checksum; a block that fails is a miss, and so is every block after it. A
 namespace whose manifest names another spec is refused at :meth:`KVCache.open` with
 :class:`SpecMismatch`. The client imports torch (and kvikio, lazily), never pyfuse3 nor the
-daemon's modules: on-disk names come from :mod:`kvfs.layout`, attribute names and payloads
-from :mod:`kvfs.control`, the block format from :mod:`kvfs.blockfile`.
+daemon's modules: on-disk names come from :mod:`kvfs.format.layout`, attribute names and payloads
+from :mod:`kvfs.format.control`, the block format from :mod:`kvfs.format.blockfile`.
+
+Imports: :mod:`kvfs.format` only (and torch, kvikio lazily); never the daemon, the
+models, the integrations, the benchmarks or the command line.
 """
 
 from __future__ import annotations
 
-from ..hashing import ModelSpec
+from ..format.hashing import ModelSpec
 from .cache import BACKING_XATTR, FD_LIMIT, MANIFEST, TIERS_XATTR, KVCache, SpecMismatch
 from .channel import CONTROL_IDLE_S, MAX_QUEUED_RECORDS, ControlChannel
 from .load import SAMPLE_EVERY, THREAD_BYTES, LoadHandle

@@ -37,18 +37,18 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from .. import blockfile, codec, control
-from ..hashing import ModelSpec
-from ..hashing import block_hashes as _block_hashes
-from ..layout import MANIFEST as _MANIFEST
-from ..layout import TEMP_PREFIX
-from ..transport import PosixTransport
-from ..transport import select as select_transport
+from ..format import blockfile, codec, control
+from ..format.hashing import ModelSpec
+from ..format.hashing import block_hashes as _block_hashes
+from ..format.layout import MANIFEST as _MANIFEST
+from ..format.layout import TEMP_PREFIX
 from . import leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .layouts import DTYPES
 from .load import Loading
 from .save import Saving
+from .transport import PosixTransport
+from .transport import select as select_transport
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +99,7 @@ def _save_codec(ns_dir: str, spec: ModelSpec) -> str | None:
             raise ValueError(f"{codec.SPEC_KEY}={lossy!r} takes {', '.join(blockfile.INT8_DTYPES)}"
                              f" KV, not {spec.kv_dtype}")
         if not codec.available():
-            raise ValueError(f"{codec.SPEC_KEY}={lossy!r}: kvfs._codec is not built in this "
+            raise ValueError(f"{codec.SPEC_KEY}={lossy!r}: kvfs.format._codec is not built in this "
                              "install (reinstall kvfs with a C compiler and libzstd-dev)")
         return lossy
     try:
@@ -172,7 +172,7 @@ class KVCache(Saving, Loading):
         except OSError:
             self.tiers = []
         # A directory tier's files may be handed to this process by the daemon, where it
-        # reads the backing tree itself (kvfs.handout).
+        # reads the backing tree itself (kvfs.daemon.handout).
         self._handout = _handout(data_dir) if direct and self.tiers else None
         self.codec = _save_codec(ns_dir, spec)
         _raise_fd_limit()
@@ -274,12 +274,12 @@ class KVCache(Saving, Loading):
 
     def block_hashes(self, token_ids: Any, *, parent: bytes | None = None,
                      extra: bytes | str | None = None) -> list[bytes]:
-        """Hashes of the full blocks of ``token_ids`` (:func:`kvfs.hashing.block_hashes`)."""
+        """Hashes of the full blocks of ``token_ids`` (:func:`kvfs.format.hashing.block_hashes`)."""
         return _block_hashes(token_ids, self.spec.block_size, parent=parent, extra=extra)
 
     def path(self, h: bytes) -> str:
         """Where block ``h`` is read and written (backing directory, or the mount):
-        ``<data_dir>/<hh>/<hash>.kv`` (:func:`kvfs.hashing.block_relpath`)."""
+        ``<data_dir>/<hh>/<hash>.kv`` (:func:`kvfs.format.hashing.block_relpath`)."""
         if len(h) != 16:
             raise ValueError(f"a block hash is 16 bytes, got {len(h)}")
         x = h.hex()

@@ -3,13 +3,13 @@ request.
 
 Bulk bytes never go through the daemon; what it hears are control calls, ``setxattr`` on the
 namespace directory (``user.kvfs.publish``, ``access``, ``corrupt``, ``fetch``, ``prefetch``;
-payloads packed by :mod:`kvfs.control`), each carrying up to :data:`kvfs.control.MAX_HASHES`
-block hashes. Access records leave the request's path: the daemon's round trip (on a busy
-host, the wait for it to be scheduled) is paid by a control thread, while the engine goes on.
-A lookup's record is held back to travel with the load that follows it (one call per lookup +
-load). Any other control call, :meth:`ControlChannel.drain` and :meth:`ControlChannel.close`
-wait for the records queued before them, so the daemon sees one client's calls in the order
-it made them.
+payloads packed by :mod:`kvfs.format.control`), each carrying up to
+:data:`kvfs.format.control.MAX_HASHES` block hashes. Access records leave the request's path: the
+daemon's round trip (on a busy host, the wait for it to be scheduled) is paid by a control thread,
+while the engine goes on. A lookup's record is held back to travel with the load that follows it
+(one call per lookup + load). Any other control call, :meth:`ControlChannel.drain` and
+:meth:`ControlChannel.close` wait for the records queued before them, so the daemon sees one
+client's calls in the order it made them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 
-from .. import control
+from ..format import control
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Loading encoded blocks (format version 3, kvfs.codec): decoded once, into the destination.
+"""Loading encoded blocks (format version 3, kvfs.format.codec): decoded once, into the destination.
 
 The cold and shared tiers store blocks encoded. A load that reads one (a directory tier's
 file the daemon handed out, a granted GET of a shared tier's object) reads it as it reads
@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from .. import blockfile, codec
-from ..blockfile import HEADER_SIZE, BlockFormatError, BlockHeader
-from ..transport import host_view, preadv_all
+from ..format import blockfile, codec
+from ..format.blockfile import HEADER_SIZE, BlockFormatError, BlockHeader
 from . import gpudecode
+from .transport import host_view, preadv_all
 
 
 def is_encoded(header: bytearray | bytes) -> bool:
     """Whether a block header read from a file is a version 3 (encoded) one (the version's
-    low byte: the full check is :func:`kvfs.blockfile.decode_header`'s)."""
+    low byte: the full check is :func:`kvfs.format.blockfile.decode_header`'s)."""
     return len(header) > 8 and header[8] == blockfile.ENCODED_VERSION
 
 

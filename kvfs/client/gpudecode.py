@@ -8,7 +8,7 @@ checked on the host by their checksum, as every decode checks them, and copied t
 once, each frame at an aligned offset (found from the frames' own headers,
 :func:`frame_spans`: a few bytes a frame), and the frames are decoded there in one batch;
 each plane is written into its byte column of the destination. The decoded payload is then
-checked on the device by its payload sums (:mod:`kvfs.devsum`: a version 3 block keeps its
+checked on the device by its payload sums (:mod:`kvfs.client.devsum`: a version 3 block keeps its
 raw header's sums) or, for a block saved without them (version 1), by ``xxh3_64`` of a copy
 on the host. A block that fails any check is a miss, never served.
 
@@ -28,8 +28,9 @@ from typing import Any
 import torch
 import xxhash
 
-from .. import blockfile, devsum
-from ..blockfile import BlockFormatError, BlockHeader
+from ..format import blockfile
+from ..format.blockfile import BlockFormatError, BlockHeader
+from . import devsum
 
 #: Decodes standard zstd frames (uint8 tensors on one device) into their contents there.
 FrameDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]

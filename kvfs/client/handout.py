@@ -1,4 +1,4 @@
-"""The client's side of the handout socket (kvfs.handout): the open files of a directory
+"""The client's side of the handout socket (kvfs.daemon.handout): the open files of a directory
 tier's blocks the daemon granted this process, as descriptors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import socket
 import stat
 
-from .. import control
+from ..format import control
 
 log = logging.getLogger(__name__)
 

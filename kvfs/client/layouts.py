@@ -18,8 +18,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .. import blockfile
-from ..hashing import ModelSpec
+from ..format import blockfile
+from ..format.hashing import ModelSpec
 
 DTYPES = {name: getattr(torch, name) for name in blockfile.DTYPE_SIZES}
 

@@ -4,7 +4,7 @@
 A lookup opens each hot block file it counts (an ``open`` where it used to ``faccessat``:
 about 0.4 us more a block) and keeps the descriptor here, per process, so that a vLLM
 scheduler's lookup serves its worker's load in the same process. The load reads from those
-descriptors (``kvfs._fastread`` takes an fd in place of a path; the Python and device reads
+descriptors (``kvfs.client._fastread`` takes an fd in place of a path; the Python and device reads
 open ``/proc/self/fd/N``) instead of opening the names, and closes them: a block the daemon
 evicted between the two has lost its name, not its bytes, so the load still gets it, verified
 as ever. The bytes of an evicted block stay on the disk until its lease ends (the capacity
@@ -12,7 +12,7 @@ is exceeded by at most what leases hold, for at most :data:`LEASE_S`). A load in
 process (vLLM workers with tensor parallelism) finds no lease and reads by name, as before.
 
 A lookup's grant may also lease blocks of a directory tier, whose files the daemon handed
-over as descriptors (kvfs.handout, :func:`keep_below`): the load reads them the same way,
+over as descriptors (kvfs.daemon.handout, :func:`keep_below`): the load reads them the same way,
 and writes their hot copies behind.
 """
 

@@ -26,14 +26,14 @@ from typing import Any
 
 import torch
 
-from .. import blockfile, control, devsum
-from ..transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
-from . import encoded, leases, remote
+from ..format import blockfile, control
+from . import devsum, encoded, leases, remote
 from .channel import ControlChannel
 from .layouts import Layouts, stream_done
+from .transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
 
-try:  # the per-block work of host loads in C, without the GIL (kvfs/_fastread.c)
-    from .. import _fastread
+try:  # the per-block work of host loads in C, without the GIL (kvfs/client/_fastread.c)
+    from . import _fastread
 except ImportError:  # not built (no compiler or xxhash header at install): the Python reads
     _fastread = None  # type: ignore[assignment]
 _unbuilt_said = False
@@ -156,7 +156,7 @@ class Loading(Layouts):
     _count: Callable[..., None]
     _remote_pool: ThreadPoolExecutor
     write_behind: Callable[..., bool]
-    #: Host loads through kvfs._fastread where it is built (False: the reads in Python, which
+    #: Host loads through kvfs.client._fastread where it is built (False: the reads in Python, which
     #: it must agree with; the tests compare the two).
     _native = True
 
@@ -261,7 +261,7 @@ class Loading(Layouts):
                       tensors_of: Callable[[int], list[torch.Tensor]], *, host: bool,
                       own: bool) -> None:
         """The hot copies of blocks a load read from files of a directory tier the daemon
-        handed out (kvfs.handout): written behind from the memory they landed in (copies of
+        handed out (kvfs.daemon.handout): written behind from the memory they landed in (copies of
         an engine's memory); for device memory the daemon promotes them (a prefetch)."""
         if not loaded:
             return
@@ -418,7 +418,7 @@ class Loading(Layouts):
     def _native_outcomes(self, hashes: list[bytes],
                          views_of: Callable[[int], list[memoryview]],
                          leased: dict[bytes, int]) -> list[_Outcome | None]:
-        """:meth:`_load`'s reads into host memory with :mod:`kvfs._fastread`: each
+        """:meth:`_load`'s reads into host memory with :mod:`kvfs.client._fastread`: each
         thread's reads, header checks and checksums in one call without the GIL, by the
         rules of :meth:`_read_host` (a leased block read from its fd). A block it does not
         accept outright is read again by :meth:`_read_host`, which says why it fails."""
@@ -602,7 +602,7 @@ class Loading(Layouts):
         return hdr
 
     def _check_spec(self, h: bytes, hdr: blockfile.BlockHeader) -> None:
-        """Raise :class:`~kvfs.blockfile.BlockMismatchError` unless ``hdr`` is block ``h``
+        """Raise :class:`~kvfs.format.blockfile.BlockMismatchError` unless ``hdr`` is block ``h``
         of this spec (a block written for another model or layout is a miss, not corrupt)."""
         blockfile.check(hdr, block_hash=h, fingerprint=self._fingerprint,
                         dtype=self.spec.kv_dtype, shape=self._shape)
@@ -742,7 +742,7 @@ def _say_unbuilt() -> None:
     global _unbuilt_said
     if not _unbuilt_said:
         _unbuilt_said = True
-        log.warning("kvfs._fastread is not built (it needs gcc and the xxhash header, "
+        log.warning("kvfs.client._fastread is not built (it needs gcc and the xxhash header, "
                     "libxxhash-dev; then reinstall kvfs): host loads take the slower reads "
                     "in Python")
 

@@ -1,7 +1,7 @@
 """Blocks read from a shared tier by the client itself, once, into their destination.
 
 A lookup whose blocks the hot tier lacks asks the daemon for a *grant* (control.GRANT, one
-setxattr and one getxattr per :data:`kvfs.control.MAX_GRANT` blocks): each block is hot
+setxattr and one getxattr per :data:`kvfs.format.control.MAX_GRANT` blocks): each block is hot
 (perhaps promoted just now from a directory tier) or gets a presigned GET of its one object
 in the shared tier, valid for seconds. The lookup sends those GETs at once and waits for
 their answers' headers only (one round trip: a 200 says the block is there, a 404 ends the
@@ -37,10 +37,10 @@ from urllib.parse import urlsplit
 
 import xxhash
 
-from .. import control
-from ..transport import HASH_PIECE
+from ..format import control
 from . import handout as handout_client
 from . import leases
+from .transport import HASH_PIECE
 
 #: Seconds after its lookup within which a load uses a grant (its URL is valid longer).
 USE_WITHIN = 10.0
@@ -102,7 +102,7 @@ def _getxattr(path: str, name: bytes) -> bytes:
 
 @dataclass
 class Handout:
-    """Where this process may be handed a directory tier's files (kvfs.handout): the
+    """Where this process may be handed a directory tier's files (kvfs.daemon.handout): the
     daemon's socket, and the uids the daemon may run as (its peer must be one). ``usable``
     turns False when the socket cannot be reached (then the daemon promotes, as before)."""
 

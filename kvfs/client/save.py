@@ -1,15 +1,15 @@
 """Saving blocks: each written under a temporary name and renamed into place, then published.
 
 A block file is written from host memory with one ``pwritev`` (header, payload, padding), or,
-for a payload over :data:`~kvfs.transport.ONE_READ_BYTES`, piece by piece, each piece hashed
-right before it is written (:func:`~kvfs.transport.pwrite_hashed`), the header last; where
-:mod:`kvfs._fastread` is built, all of a block's file work (create, hash and write, rename)
+for a payload over :data:`~kvfs.client.transport.ONE_READ_BYTES`, piece by piece, each piece hashed
+right before it is written (:func:`~kvfs.client.transport.pwrite_hashed`), the header last; where
+:mod:`kvfs.client._fastread` is built, all of a block's file work (create, hash and write, rename)
 is one call to its ``write_block`` without the GIL, by the same rules. A CUDA
 block is copied to host memory first, and its checksum is computed there; where the bytes come
 from a device, its payload sums are computed on the device too (block format version 2, so
 that loads verify it there). Blocks already present are skipped (a name is its content). The
 daemon hears of what a save wrote in one ``publish`` control call per
-:data:`kvfs.control.MAX_HASHES` blocks, and may refuse them (:class:`CacheFull`);
+:data:`kvfs.format.control.MAX_HASHES` blocks, and may refuse them (:class:`CacheFull`);
 :meth:`Saving.blocks_that_fit` says how many blocks one save can place at all.
 :meth:`Saving.save_async` queues saves for a writer thread, bounded, dropping when full.
 """
@@ -29,10 +29,13 @@ from typing import Any
 
 import torch
 
-from .. import blockfile, codec, control, devsum
-from ..hashing import ROOT_PARENT
-from ..layout import TEMP_PREFIX
-from ..transport import (
+from ..format import blockfile, codec, control
+from ..format.hashing import ROOT_PARENT
+from ..format.layout import TEMP_PREFIX
+from . import devsum
+from .channel import ControlChannel
+from .layouts import Layouts, stream_done
+from .transport import (
     ONE_READ_BYTES,
     PosixTransport,
     checksum,
@@ -40,11 +43,9 @@ from ..transport import (
     pwrite_hashed,
     pwritev_all,
 )
-from .channel import ControlChannel
-from .layouts import Layouts, stream_done
 
 try:  # the per-block work of saves from host memory in C, without the GIL
-    from .._fastread import write_block as _write_native
+    from ._fastread import write_block as _write_native
 except ImportError:  # not built, or built before it had writes: the writes in Python
     _write_native = None
 
@@ -85,10 +86,10 @@ class Saving(Layouts):
     path: Callable[[bytes], str]
     _count: Callable[..., None]
     _room: tuple[float, int | None] = (-ROOM_TTL, None)  # (when asked, bytes or None)
-    #: Block files written by kvfs._fastread.write_block where it is built (False: the
+    #: Block files written by kvfs.client._fastread.write_block where it is built (False: the
     #: writes in Python, which it must agree with; the tests compare the two).
     _native_writes = True
-    #: How saved blocks are stored (kvfs.codec: "planes", "int8"; None: as they are).
+    #: How saved blocks are stored (kvfs.format.codec: "planes", "int8"; None: as they are).
     codec: str | None = None
     #: int8: how the engine's bytes lay a block's rows out (blockfile.int8_tiles, 0: runs;
     #: the vLLM connector's worker.int8_tiles finds its engine's).

@@ -7,6 +7,9 @@ Each imports its engine lazily, only in its own module, so ``import kvfs`` and
 - ``kvfs.integrations.sglang``: SGLang HiCache's dynamic storage backend
   (``KVFSHiCacheStorage``);
 - ``kvfs.integrations.lmcache``: an LMCache storage plugin (``KVFSBackend``).
+
+Imports: :mod:`kvfs.format` and :mod:`kvfs.client` (and each its own engine, lazily);
+never the daemon, the models, the benchmarks or the command line.
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import xxhash
 
-from ..blockfile import DTYPE_SIZES
 from ..client import CacheFull, KVCache
-from ..hashing import ModelSpec
+from ..format.blockfile import DTYPE_SIZES
+from ..format.hashing import ModelSpec
 
 log = logging.getLogger(__name__)
 

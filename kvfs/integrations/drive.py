@@ -43,8 +43,8 @@ from typing import Any
 import torch
 import xxhash
 
+from kvfs.client.transport import preadv_all, pwritev_all
 from kvfs.integrations._common import key_hash, runs
-from kvfs.transport import preadv_all, pwritev_all
 
 STORAGE_BATCH = 128  # pages per call, as SGLang's controller batches them
 
@@ -412,7 +412,7 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
         cfg |= {"storage_plugins": ["kvfs"], "extra_config": {
             "storage_plugin.kvfs.module_path": "kvfs.integrations.lmcache",
             "storage_plugin.kvfs.class_name": "KVFSBackend",
-            "kvfs.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
+            "kvfs.daemon.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
             **plan.get("extra", {})}}
     elif plan["backend"] == "raw":  # LMCache's CPU backend only, as the allocator
         name = "LocalCPUBackend"

@@ -47,7 +47,7 @@ from typing import Any
 import torch
 
 from ..client import KVCache
-from ..hashing import ROOT_PARENT
+from ..format.hashing import ROOT_PARENT
 from ._common import BadConfig, check_target, key_hash, page_spec, runs, save_prefix
 
 log = logging.getLogger(__name__)

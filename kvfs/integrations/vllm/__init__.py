@@ -36,7 +36,7 @@ Extra config keys (``kv_connector_extra_config``):
   namespace: int8 KV never reaches an engine that asked for exact KV.
 
 How it works. The scheduler side hashes the request's prompt into kvfs block hashes
-(``kvfs.hashing.block_hashes`` with vLLM's block size, so one kvfs block is one vLLM block),
+(``kvfs.format.hashing.block_hashes`` with vLLM's block size, so one kvfs block is one vLLM block),
 asks kvfs once for the cached prefix (:meth:`kvfs.KVCache.lookup`) and answers
 ``get_num_new_matched_tokens`` with the part of it beyond vLLM's own prefix cache. The metadata
 of each step carries exactly the blocks to load (hash, vLLM block id) and the full prompt

@@ -8,9 +8,9 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvfs import codec
 from kvfs.client import KVCache
-from kvfs.hashing import ModelSpec
+from kvfs.format import codec
+from kvfs.format.hashing import ModelSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 CONFIG_KEYS = ("mount", "tenant", "verify", "lookup_budget_s", "model_id", "revision",
                "direct", "max_pending_saves", "layerwise", "kv_codec")
 #: ``kv_codec`` values: "exact" (the default: KV as the engine computed it, or as the
-#: mount's hot-tier codec stores it losslessly), or a lossy codec (kvfs.codec.LOSSY), which
+#: mount's hot-tier codec stores it losslessly), or a lossy codec (kvfs.format.codec.LOSSY), which
 #: names another namespace.
 KV_CODECS = ("exact", "int8")
 DEFAULT_LOOKUP_BUDGET_S = 0.2

@@ -24,7 +24,7 @@ import torch
 
 if TYPE_CHECKING:
     from kvfs.client import KVCache
-    from kvfs.hashing import ModelSpec
+    from kvfs.format.hashing import ModelSpec
 
     from .scheduler import _Transfer
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from kvfs.client import KVCache
-    from kvfs.hashing import ModelSpec
+    from kvfs.format.hashing import ModelSpec
 
     from .mountwatch import MountWatch
 
@@ -52,12 +52,12 @@ class KVFSStats(KVConnectorStats):
 
 def int8_tiles(layer: torch.Tensor, block_size: int, heads: int, dim: int) -> int:
     """How this engine's pages lay out a (token, head) row of keys and of values, as
-    kvfs.blockfile.int8_tiles says it (int8 takes one scale per row): 0 where the page is
+    kvfs.format.blockfile.int8_tiles says it (int8 takes one scale per row): 0 where the page is
     (2, block_size, heads, head_dim) as its view names it (vLLM's GPU backends). vLLM's CPU
     attention keeps each head's keys transposed (head_dim rows of block_size tokens), then its
     values as rows: found here by writing marked rows through its own cache op. Raises
     ConfigError for a layout the codec cannot follow."""
-    from kvfs import blockfile  # noqa: PLC0415
+    from kvfs.format import blockfile  # noqa: PLC0415
 
     if layer.is_cuda:
         return 0

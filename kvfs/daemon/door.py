@@ -1,0 +1,133 @@
+"""The mount door's passthrough part (kvfs.daemon.passthrough): which opens the kernel serves
+itself, the reply that hands it the backing file, and what the daemon settles for a passthrough
+writer whose writes it never sees (growth against the quota and the capacity at flush, fsync and
+release; the backing id released with the inode's last passthrough handle).
+
+No state of its own: the open files (kvfs.daemon.openfiles), the tree's counters and the
+passthrough registry, on the event loop, between awaits.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+
+import pyfuse3
+from pyfuse3 import FUSEError
+
+from .index import Node
+from .openfiles import Handle, OpenFiles
+from .passthrough import PASS_HEADROOM
+from .reclaim import Reclaim
+from .tree import Tree
+
+log = logging.getLogger(__name__)
+
+
+class Door:
+    def __init__(self, tree: Tree, files: OpenFiles, reclaim: Reclaim) -> None:
+        self.tree = tree
+        self.files = files
+        self.reclaim = reclaim
+
+    def may_pass(self, inode: int) -> bool:
+        """Whether an open of `inode` may be a passthrough open: the mount has it, and no
+        handle of the inode reads through the page cache the daemon fills (the kernel
+        allows one or the other on an inode)."""
+        of = self.tree.open_files.get(inode)
+        return self.tree.passthrough.on and (of is None or not of.cached)
+
+    def room_to_pass(self, tenant: int) -> bool:
+        """Whether a writer of `tenant` may write through passthrough, where the daemon sees
+        none of its writes and settles its growth only at flush: only while the tenant's
+        quota and the mount's capacity have PASS_HEADROOM free for it and for every other
+        passthrough writer. Nearer a limit writers take the daemon's path, which refuses
+        the write that would cross it."""
+        pt = self.tree.passthrough
+        limits = self.tree.residency.limits.get(tenant)
+        if limits is not None and limits.quota is not None and (
+                limits.quota - self.tree.stats.tenant_bytes(tenant)
+                < PASS_HEADROOM * (pt.writers[tenant] + 1)):
+            return False
+        cap = self.tree.info.capacity
+        return cap is None or (cap - self.tree.stats.used_bytes
+                               >= PASS_HEADROOM * (pt.writers.total() + 1))
+
+    def reply(self, node: Node, fh: int, flags: int, *, busy: bool
+              ) -> tuple[pyfuse3.FileInfo, int]:
+        """The reply to an open or create of a hot file registered as handle `fh`, and the
+        backing id it names (0: served by the daemon). Bytes a passthrough reader reads are
+        counted at its open (the file's size); what a passthrough writer adds, at its
+        flushes (`settle`)."""
+        h = self.files.handles[fh]
+        of = self.tree.open_files[node.inode]
+        pt = self.tree.passthrough
+        backing_id = 0
+        if self.may_pass(node.inode) and (not h.writable or self.room_to_pass(node.tenant)):
+            backing_id = pt.register(node.inode, h.fd) or 0
+        if backing_id:
+            h.passthrough = True
+            of.passthrough += 1
+            if h.writable:
+                of.pt_fds.append(h.fd)
+                pt.writers[node.tenant] += 1
+                self.files.watch(of, node.inode, h)  # the daemon will not see its writes
+            else:
+                h.nread = node.size
+                self.tree.stats.read(h.key, node.size)
+                pt.read_bytes += node.size
+            return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
+        direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
+        if of.passthrough:  # beside passthrough opens the kernel allows only uncached ones
+            direct, keep = True, False
+        if not direct:
+            h.cached = True
+            of.cached += 1
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep), 0
+
+    async def settle(self, h: Handle) -> None:
+        """A passthrough writer's change in size since it was last settled: room made for
+        its growth (evicting as a write would), accounted, and counted as written; or, where
+        the tenant's quota or the capacity refuse it, the file cut back to what was
+        accounted, and EDQUOT/ENOSPC/EFBIG raised, as NFS reports at close."""
+        of = self.tree.open_files[h.inode]
+        st = os.fstat(h.fd)
+        size = st.st_size
+        growth = size - of.size
+        if growth > 0:
+            try:
+                await self.reclaim.make_room_for(h.key[0], growth, size, exclude=h.inode)
+            except FUSEError as exc:
+                keep = self.tree.open_files[h.inode].size
+                await self.tree.io(os.ftruncate, h.fd, keep)
+                self.tree.passthrough.cut += 1
+                log.warning("inode %d: %d bytes written through passthrough refused at close "
+                            "(%s): cut back to %d", h.inode, growth,
+                            errno.errorcode.get(exc.errno, exc.errno), keep)
+                raise
+            growth = size - of.size  # another flush of it may have counted some meanwhile
+        if growth:
+            self.tree.stats.account(h.key, 0, growth)
+            of.size = size
+            if growth > 0:
+                self.tree.stats.write(h.key, growth)
+                self.tree.passthrough.write_bytes += growth
+                h.nwritten += growth
+        of.mtime_ns = st.st_mtime_ns
+
+    async def release(self, h: Handle) -> None:
+        """The last of a passthrough handle: what it wrote after its last flush (a dup'd
+        descriptor, a shared mapping) settled, its backing id released with the inode's
+        last passthrough handle."""
+        pt = self.tree.passthrough
+        if h.writable:
+            pt.writers[h.key[0]] -= 1
+            try:
+                self.files.observe(h.inode, h)
+                await self.settle(h)
+            except FUSEError:
+                pass  # cut back and logged; nobody is left to tell
+            except OSError as exc:
+                log.warning("inode %d: settling a passthrough writer failed: %s", h.inode, exc)
+        pt.release(h.inode)

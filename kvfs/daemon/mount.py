@@ -1,0 +1,289 @@
+"""The mount entry point: open the backing directory, mount, serve until unmounted.
+
+This is the only module that imports `kvfs.daemon.fs` (and with it pyfuse3). It owns the daemon's
+lifetime: the lock on the backing directory, the quick fsck after an unclean stop, the
+pyfuse3 session, the trio nursery of background tasks, signal handling and the clean-stop
+marker.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import signal
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from . import scanner, watchdog
+from .audit import Audit
+from .fs import MountInfo, Operations
+from .index import Index
+from .metrics import Metrics
+from .notify import notify
+from .settings import DEFAULTS
+from .store import BackingStore
+from .tiers import parse_tier_url
+from .tiers.mover import Tiering
+
+log = logging.getLogger(__name__)
+
+INDEX_NAME = "index.db"
+LOCK_NAME = "lock"
+
+
+class MountError(Exception):
+    """A mount that cannot start, for a reason the user can fix."""
+
+
+@dataclass
+class MountOptions:
+    """The daemon's settings; each is defined (type, default, check) in kvfs.daemon.settings."""
+
+    backing: str
+    mountpoint: str
+    capacity: int | None = DEFAULTS["capacity"]
+    debug: bool = DEFAULTS["debug"]
+    io_threads: int = DEFAULTS["io_threads"]
+    policy: str = DEFAULTS["policy"]
+    high_watermark: float = DEFAULTS["high_watermark"]
+    low_watermark: float = DEFAULTS["low_watermark"]
+    scan_interval: float = DEFAULTS["scan_interval"]
+    policy_entries: int = DEFAULTS["policy_entries"]
+    cold: str | None = DEFAULTS["cold"]
+    shared: str | None = DEFAULTS["shared"]
+    write_through: bool = DEFAULTS["write_through"]
+    fetch_timeout: float | None = DEFAULTS["fetch_timeout"]
+    tier_cooldown: float = DEFAULTS["tier_cooldown"]
+    tier_codec: str = DEFAULTS["tier_codec"]
+    hot_codec: str = DEFAULTS["hot_codec"]
+    metrics: str | None = DEFAULTS["metrics"]
+    audit: str | None = DEFAULTS["audit"]
+    writeback_cache: bool = DEFAULTS["writeback_cache"]
+    keep_cache: bool = DEFAULTS["keep_cache"]
+    passthrough: bool = DEFAULTS["passthrough"]
+    read_ahead_kb: int = 4096  # the mount's read-ahead window (not a setting)
+
+
+def open_state_dir(backing: str) -> tuple[BackingStore, int]:
+    """Create the backing layout if needed and take the exclusive lock on it."""
+    if not os.path.isdir(backing):
+        raise MountError(f"backing directory {backing} does not exist")
+    store = BackingStore(backing)
+    os.makedirs(store.state_dir, mode=0o700, exist_ok=True)
+    # The index, the log and the quarantine hold every tenant's names, sizes and hashes:
+    # root's alone, also in a state directory an older version made world-readable.
+    os.chmod(store.state_dir, 0o700)
+    lock_fd = os.open(os.path.join(store.state_dir, LOCK_NAME.encode()),
+                      os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    os.fchmod(lock_fd, 0o600)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(lock_fd, 32, 0).decode(errors="replace").strip()
+        os.close(lock_fd)
+        raise MountError(
+            f"backing directory {backing} is in use by another kvfs process (pid {holder})"
+        ) from None
+    os.ftruncate(lock_fd, 0)
+    os.pwrite(lock_fd, f"{os.getpid()}\n".encode(), 0)
+    return store, lock_fd
+
+
+def open_index(store: BackingStore) -> Index:
+    path = os.path.join(os.fsdecode(store.state_dir), INDEX_NAME)
+    index = Index(path)
+    for name in (path, path + "-wal", path + "-shm"):  # SQLite makes them 0644
+        private(name)
+    return index
+
+
+def private(path: str) -> None:
+    """Make a file of the daemon's readable and writable by its owner (root) alone."""
+    try:
+        os.chmod(path, 0o600)
+    except FileNotFoundError:
+        pass
+
+
+def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
+    """Lock the backing directory and bring the index up to date."""
+    store, lock_fd = open_state_dir(opts.backing)
+    store.clear_staging()  # fetches cut short by the last stop
+    index = open_index(store)
+    if not index.has_entries():
+        # A tree this index never saw (a first mount, an index deleted, files copied into a
+        # backing directory whose index is empty): serve it at once, indexing a directory
+        # when a request first names something in it, the rest in the background. The top
+        # level (the tenants) is indexed now.
+        report = scanner.adopt(index, store)
+        log.info("adopting %s: %d tenants indexed, their directories indexed on demand and "
+                 "in the background", opts.backing, report.added.count)
+    elif index.get_meta("clean") != "1":
+        log.info("index of %s was not closed cleanly: reconciling with the backing tree",
+                 opts.backing)
+        report = scanner.reconcile(index, store, lazy=True,
+                                progress=lambda n: log.info("fsck: %d entries", n))
+        log.info("fsck: %s", report.summary())
+    else:
+        index.purge_orphans()
+    index.set_meta("clean", "0")
+    return index, store, lock_fd
+
+
+async def widen_read_ahead(mountpoint: str, kb: int) -> None:
+    """Widen the mount's read-ahead window (the kernel gives a FUSE mount 128 KiB): buffered
+    reads then reach the daemon as many requests in flight instead of one at a time. The
+    kernel sets the window when it initialises the connection, so this runs once serving has
+    begun, and checks that it took."""
+    for _ in range(10):
+        await trio.sleep(0.1)
+        if await trio.to_thread.run_sync(set_read_ahead, mountpoint, kb):
+            return
+    log.info("read-ahead of %s left as the kernel set it", mountpoint)
+
+
+def set_read_ahead(mountpoint: str, kb: int) -> bool:
+    """Set the read-ahead of the bdi behind `mountpoint` (found through /proc/self/mountinfo:
+    a stat of the mount point would be a request to this very daemon); True if it holds."""
+    fields = watchdog.mount_fields(mountpoint)
+    try:
+        if fields is None:
+            return False
+        path = f"/sys/class/bdi/{fields[2]}/read_ahead_kb"
+        with open(path, "w") as f:
+            f.write(str(kb))
+        with open(path) as f:
+            return int(f.read()) == kb
+    except (OSError, ValueError) as exc:
+        log.debug("read-ahead of %s: %s", mountpoint, exc)
+        return False
+
+
+def make_tiering(opts: MountOptions) -> Tiering | None:
+    """The lower tiers, in order: the cold directory, then the shared object store."""
+    tiers = []
+    try:
+        if opts.cold:
+            tiers.append(parse_tier_url(opts.cold, "cold"))
+        if opts.shared:
+            tiers.append(parse_tier_url(opts.shared, "shared"))
+    except (ValueError, ImportError) as exc:
+        raise MountError(str(exc)) from None
+    if not tiers:
+        return None
+    return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
+                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
+                   encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none")
+
+
+def mount_options(debug: bool) -> set[str]:
+    opts = set(pyfuse3.default_options)
+    opts |= {"fsname=kvfs", "subtype=kvfs", "default_permissions"}
+    if os.getuid() == 0:
+        opts.add("allow_other")
+    if debug:
+        opts.add("debug")
+    return opts
+
+
+def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: ignore[valid-type]
+    """Mount and serve until unmounted or signalled. `ready()` is called once mounted."""
+    os.umask(0)  # modes are set explicitly, as the callers asked for them
+    mountpoint = os.path.abspath(opts.mountpoint)
+    if not os.path.isdir(mountpoint):
+        raise MountError(f"mount point {mountpoint} is not a directory")
+    if os.path.ismount(mountpoint):
+        raise MountError(f"{mountpoint} is already a mount point")
+    index, store, lock_fd = prepare(opts)
+    info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
+                     capacity=opts.capacity, policy=opts.policy,
+                     high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
+                     scan_interval=opts.scan_interval, policy_entries=opts.policy_entries,
+                     hot_codec=opts.hot_codec)
+    owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
+    tiering = make_tiering(opts)
+    audit = Audit(opts.audit) if opts.audit else None
+    ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
+                     tiering=tiering, audit=audit, writeback_cache=opts.writeback_cache,
+                     keep_cache=opts.keep_cache, passthrough=opts.passthrough)
+    ops.load_limits()
+    metrics = None
+    if opts.metrics:
+        try:
+            metrics = Metrics(opts.metrics, ops.snapshot)
+            metrics.start()
+        except (OSError, ValueError, ImportError) as exc:
+            index.set_meta("clean", "1")
+            index.close()
+            raise MountError(f"cannot serve metrics on {opts.metrics}: {exc}") from None
+    try:
+        pyfuse3.init(ops, mountpoint, mount_options(opts.debug))
+    except RuntimeError as exc:
+        index.set_meta("clean", "1")
+        index.close()
+        raise MountError(f"cannot mount {mountpoint}: {exc}") from None
+    log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    passthrough = ops.tree.passthrough
+    passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache)
+    # Ends the mount if this process dies without unmounting (see kvfs.daemon.watchdog).
+    watch_fd = watchdog.start(mountpoint)
+    if ready is not None:
+        ready()
+    notify("READY=1")
+    signalled = False
+
+    async def main() -> None:
+        nonlocal signalled
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                nonlocal signalled
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+                    async for signum in sigs:
+                        log.info("signal %d: unmounting", signum)
+                        signalled = True
+                        pyfuse3.terminate()
+                        return
+
+            nursery.start_soon(watch_signals)
+            # Once the kernel's INIT is answered: is passthrough on? (said in the log)
+            nursery.start_soon(passthrough.probe, os.path.join(
+                os.fsdecode(store.state_dir), LOCK_NAME))
+            await ops.settle()  # requests wait in the kernel meanwhile
+            nursery.start_soon(widen_read_ahead, mountpoint, opts.read_ahead_kb)
+            nursery.start_soon(ops.run_background)
+            if metrics is not None:
+                nursery.start_soon(metrics.run)
+            if audit is not None:
+                nursery.start_soon(audit.run)
+            await pyfuse3.main(min_tasks=4, max_tasks=64)
+            nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(main)
+    finally:
+        notify("STOPPING=1")
+        try:
+            pyfuse3.close(unmount=signalled)
+        except OSError as exc:  # already unmounted by fusermount3 -u
+            if exc.errno not in (errno.EINVAL, errno.ENOENT):
+                raise
+        finally:
+            passthrough.unhook()
+        watchdog.clean_stop(watch_fd)
+        for of_inode in list(ops.open_files):
+            ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
+        ops.flush_atimes()
+        index.set_meta("clean", "1" if not ops.open_files else "0")
+        index.close()
+        if tiering is not None:
+            tiering.close()
+        if audit is not None:
+            audit.close()
+        os.close(lock_fd)
+        log.info("unmounted %s", mountpoint)
+    return 0

@@ -1,0 +1,211 @@
+"""FUSE passthrough: the kernel reads and writes a hot file's backing file itself.
+
+The daemon authorizes an open (its strict resolution gives the backing fd, the index says
+what the file is and who may grow it), registers that fd on /dev/fuse
+(FUSE_DEV_IOC_BACKING_OPEN, one backing id per inode while it has passthrough opens) and names
+the id in its OPEN/CREATE reply; from then on the file's reads, writes and mmap never reach
+the daemon. Lookups, opens, flushes, releases, attributes and the namespace still do.
+libfuse 3.14 cannot write those replies, so kvfs's C module `kvfs.daemon._passthrough` completes
+them (docs/architecture.md, "The mount door"). Where the kernel, the privileges or the
+module refuse, every open takes the daemon's own path, and `kvfs status` says why.
+
+State (event loop only): `ids` (inode -> [backing id, passthrough handles]), `status`.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+from collections import Counter
+from dataclasses import dataclass, field
+
+import trio
+
+log = logging.getLogger(__name__)
+
+try:
+    from . import _passthrough
+except ImportError:  # not built: the daemon serves every byte itself
+    _passthrough = None  # type: ignore[assignment]
+
+#: _IOW(229, 1, struct fuse_backing_map {i32 fd; u32 flags; u64 padding}) and
+#: _IOW(229, 2, u32): include/uapi/linux/fuse.h.
+BACKING_OPEN = 0x4010E501
+BACKING_CLOSE = 0x4004E502
+#: statfs f_type of file systems that are themselves stacked (overlayfs, FUSE, eCryptfs):
+#: the kernel then needs a max_stack_depth of 2 to stack the mount on them.
+STACKED = {0x794C7630, 0x65735546, 0xF15F}
+#: Free bytes a passthrough writer needs in its tenant's quota and in the capacity, beside
+#: those of the other passthrough writers (kvfs.daemon.door `Door.room_to_pass`): what it may write
+#: before its close settles it. Nearer a limit, writers take the daemon's path.
+PASS_HEADROOM = 64 << 20
+#: How long after the mount the INIT reply may take before passthrough is given up.
+INIT_WAIT = 10.0
+
+
+def fuse_fd() -> int:
+    """The fd of /dev/fuse that pyfuse3's session reads (the daemon opens no other)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{name}") == "/dev/fuse":
+                return int(name)
+        except OSError:
+            continue
+    raise OSError(errno.EBADF, "no /dev/fuse fd in this process")
+
+
+def backing_open(dev: int, fd: int) -> int:
+    """Register `fd` (a regular file) on the FUSE connection `dev`: its backing id."""
+    return fcntl.ioctl(dev, BACKING_OPEN, bytearray(struct.pack("=iIQ", fd, 0, 0)))
+
+
+def backing_close(dev: int, backing_id: int) -> None:
+    fcntl.ioctl(dev, BACKING_CLOSE, bytearray(struct.pack("=I", backing_id)))
+
+
+REFUSALS = {
+    errno.EPERM: "the kernel refused to register a backing file (passthrough not negotiated, "
+                 "or the daemon lacks CAP_SYS_ADMIN)",
+    errno.ENOTTY: "this kernel has no FUSE passthrough (Linux 6.9 or later has it)",
+    errno.EINVAL: "this kernel has no FUSE passthrough (Linux 6.9 or later has it)",
+    errno.ELOOP: "the backing directory's file system is stacked too deep for passthrough",
+    errno.EOPNOTSUPP: "the backing directory's file system cannot back passthrough files",
+}
+
+
+@dataclass
+class Passthrough:
+    """Whether this mount passes files through, and the backing ids of its open files."""
+
+    wanted: bool = True
+    state: str = "off"  # "on", "off", or "starting" (mounted, INIT not answered yet)
+    reason: str = "turned off (--no-passthrough)"
+    dev: int = -1
+    ids: dict[int, list[int]] = field(default_factory=dict)
+    registered: int = 0  # backing files registered since the mount
+    refused: int = 0  # registrations the kernel refused after the probe (served by the daemon)
+    cut: int = 0  # writers cut back at close: their growth crossed a quota or the capacity
+    # Bytes counted as read (a reader's file size at its open) and written (a writer's
+    # growth, at its flushes) by passthrough handles: in the tenants' counters too, but
+    # none of them crossed /dev/fuse.
+    read_bytes: int = 0
+    write_bytes: int = 0
+    writers: Counter[int] = field(default_factory=Counter)  # open passthrough writers by tenant
+    # Set once the state is known ("on" or "off"): an open that comes while it is
+    # "starting" waits for it, so that no inode starts on the daemon's path by accident.
+    ready: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def on(self) -> bool:
+        return self.state == "on"
+
+    def hook(self, backing: str, *, writeback_cache: bool) -> None:
+        """After pyfuse3.init, before the session runs: have the INIT reply offer passthrough."""
+        if not self.wanted:
+            return
+        if writeback_cache:
+            self.reason = "off with --writeback-cache (the kernel allows one or the other)"
+            return
+        if _passthrough is None:
+            self.reason = "kvfs.daemon._passthrough is not built (gcc, python3-dev?)"
+            return
+        try:
+            depth = 2 if _passthrough.fstype(backing) in STACKED else 1
+            self.dev = fuse_fd()
+            _passthrough.hook(self.dev, depth)
+        except OSError as exc:
+            self.reason = f"cannot hook libfuse's replies: {exc}"
+            return
+        self.state, self.reason = "starting", "waiting for the kernel's INIT"
+
+    async def probe(self, path: str) -> None:
+        """Once INIT is answered: register one regular file (`path`, root's) and release it,
+        so that the state is known before the first open, and say it in the log."""
+        try:
+            await self._probe(path)
+        finally:
+            self.ready.set()
+
+    async def _probe(self, path: str) -> None:
+        if self.state != "starting":
+            if self.wanted:
+                log.warning("passthrough off: %s; the daemon serves every byte", self.reason)
+            return
+        with trio.move_on_after(INIT_WAIT):
+            while not _passthrough.state()["init_seen"]:
+                await trio.sleep(0.005)
+        st = _passthrough.state()
+        if not st["init_offered"]:
+            self.off("the INIT reply could not offer passthrough" if st["init_seen"]
+                     else "the kernel's INIT never came")
+            return
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                backing_close(self.dev, backing_open(self.dev, fd))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self.off(REFUSALS.get(exc.errno, f"registering a backing file failed: {exc}"))
+            return
+        self.state, self.reason = "on", "the kernel reads and writes hot files itself"
+        log.info("passthrough on: opened files are read and written by the kernel")
+
+    def unhook(self) -> None:
+        """The session is closed: libfuse gets its own writev back."""
+        if _passthrough is not None and self.dev >= 0:
+            _passthrough.unhook()
+            self.dev = -1
+        if self.state != "off":
+            self.state, self.reason = "off", "unmounted"
+
+    def off(self, reason: str) -> None:
+        self.state, self.reason = "off", reason
+        log.warning("passthrough off: %s; the daemon serves every byte", reason)
+
+    def register(self, inode: int, fd: int) -> int | None:
+        """A passthrough open of `inode` served from `fd`: its backing id (the inode's, shared
+        by all its passthrough opens), or None where the kernel refuses (the daemon serves
+        that open)."""
+        entry = self.ids.get(inode)
+        if entry is None:
+            try:
+                backing_id = backing_open(self.dev, fd)
+            except OSError as exc:
+                self.refused += 1
+                log.warning("passthrough refused for inode %d (%s): served by the daemon",
+                            inode, exc)
+                return None
+            entry = self.ids[inode] = [backing_id, 0]
+            self.registered += 1
+        entry[1] += 1
+        return entry[0]
+
+    def arm(self, fh: int, backing_id: int) -> None:
+        """The reply about to be sent for `fh` names `backing_id`: the very last step of an
+        open or create handler (no await after it)."""
+        _passthrough.arm(fh, backing_id)
+
+    def release(self, inode: int) -> None:
+        """A passthrough handle of `inode` closed; its backing id goes with the last one (the
+        kernel holds the file for opens still in flight)."""
+        entry = self.ids[inode]
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.ids[inode]
+            try:
+                backing_close(self.dev, entry[0])
+            except OSError as exc:
+                log.warning("could not release backing id %d: %s", entry[0], exc)
+
+    def snapshot(self) -> dict[str, object]:
+        """stats.json "passthrough"."""
+        st = _passthrough.state() if _passthrough is not None and self.dev >= 0 else {}
+        return {"state": self.state, "reason": self.reason, "open_files": len(self.ids),
+                "registered": self.registered, "refused": self.refused, "cut": self.cut,
+                "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+                "replies_patched": st.get("opens_patched", 0),
+                "replies_missed": st.get("opens_missed", 0)}

@@ -1,0 +1,549 @@
+"""The mover: moving blocks between the hot tier and the lower tiers, on the daemon's event loop.
+
+The tiers themselves (`kvfs.daemon.tiers.dir`, `kvfs.daemon.tiers.s3`) are blocking stores; this
+module's
+:class:`Tiering` runs them from worker threads with deadlines, circuit breakers
+(`kvfs.daemon.tiers.breaker`) and one fetch per key at a time:
+
+- `fetch(key, rel)`: a hot miss looks in each lower tier in order. The first that has the
+  block delivers it into a temporary in a directory only the daemon writes (the backing
+  tree's staging directory); the bytes are verified (header, size, checksum, name) before
+  the temporary is renamed into its verified hot directory (`store.Placement`). A tier past
+  its deadline or failing is a miss (counted); its breaker opens after repeated failures,
+  so a dead store costs one deadline, not one per block (nor one per batch of blocks:
+  fetches that were waiting for a thread when the circuit opened are skipped, not made).
+  Concurrent fetches of one key wait on the first.
+- `demote(key, rel)`: eviction puts the block into the first lower tier before the hot copy
+  is unlinked. Uploads and demotions read the hot copy through a `Source` the daemon gives:
+  a reader of the file on a verified fd (never through a tenant's symlink).
+- `enqueue_upload(key, rel)`: write-through publishing to the shared tiers, asynchronous:
+  a bounded queue drained by a few uploader tasks; a full queue drops (counted), failures are
+  retried a few times with backoff and then dropped. A save never waits for it.
+
+Blocks go below encoded (`kvfs.format.codec`, the mount's `--tier-codec`, lossless by default): the
+worker thread that reads the hot copy encodes it, and a fetch decodes it (both checksums
+checked) before the hot copy is placed, so the hot tier holds blocks as they were saved.
+Each tier counts the raw and the stored bytes it was given (its ratio).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import trio
+
+from ...format import blockfile, codec, hashing
+from .base import Tier, TierError
+from .breaker import Breaker, fetch_deadline
+
+log = logging.getLogger(__name__)
+
+UPLOAD_QUEUE = 4096
+UPLOADERS = 4
+UPLOAD_RETRIES = 3
+#: Deadline for a fetch whose size is unknown (a block this host has never seen).
+DEFAULT_BLOCK_BYTES = 64 << 20
+#: Upper bounds (seconds) of the fetch latency histogram's buckets.
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, math.inf)
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0  # blocks fetched from this tier and served
+    misses: int = 0  # fetches this tier could not answer (absent)
+    timeouts: int = 0
+    errors: int = 0
+    bad_blocks: int = 0  # fetched but failed verification
+    skipped: int = 0  # not asked: circuit open
+    demotions: int = 0
+    demotion_failures: int = 0
+    uploads: int = 0
+    upload_failures: int = 0
+    uploads_dropped: int = 0
+    fetched_bytes: int = 0  # stored bytes fetched (encoded, where the tier's blocks are)
+    put_raw_bytes: int = 0  # bytes of the blocks put here (demoted, uploaded), as saved
+    put_stored_bytes: int = 0  # what they took here (encoded where that paid)
+    grants: int = 0  # blocks a client was given a URL to read from this tier itself
+    latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
+
+    def observe(self, seconds: float) -> None:
+        for i, bound in enumerate(LATENCY_BUCKETS):
+            if seconds <= bound:
+                self.latency[i] += 1
+                return
+
+
+class _Refused(Exception):
+    """A call not made: its tier's circuit opened while the call waited for a thread."""
+
+
+@dataclass
+class Fetched:
+    tier: int  # 1-based index of the tier that had it
+    header: blockfile.BlockHeader
+    size: int  # of the hot copy (the block as saved)
+    moved: int = 0  # bytes fetched from the tier (its stored, maybe encoded, file)
+
+
+class _Handoff:
+    """Who owns a fetch's outcome: its thread, or the event loop that gave up waiting.
+
+    The thread places the block (renames it into its hot path) only while the fetch is still
+    wanted, and records that it did; the loop, when the deadline passes, marks the fetch
+    abandoned under the same lock and takes a block placed meanwhile as the result. So a block
+    is never left in place without the daemon knowing of it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.result: Fetched | None = None
+
+    def place(self, tmp: str, put: Callable[[str], None], fetched: Fetched) -> Fetched | None:
+        with self.lock:
+            if self.abandoned:
+                return None
+            put(tmp)
+            self.result = fetched
+            return fetched
+
+    def abandon(self) -> Fetched | None:
+        with self.lock:
+            self.abandoned = True
+            return self.result
+
+
+class SourceError(Exception):
+    """The local copy of a block to upload or demote could not be read as one (gone, a
+    symlink or FIFO a tenant put in its place, not a block): nothing to send. Not the tier's
+    fault: no retry, and its circuit is not touched."""
+
+
+#: A block to send to a tier: a local path the daemon alone writes, or a function (run in the
+#: worker thread) that reads the block's bytes safely from the hot tier.
+Source = str | Callable[[], bytes]
+
+
+class Destination(Protocol):
+    """Where a fetched block goes when it is not a plain path (see store.Placement): its
+    name, a temporary in a directory only the daemon writes, and the final move."""
+
+    name: str
+
+    def temporary(self, tag: str) -> str: ...
+
+    def place(self, tmp: str) -> None: ...
+
+
+def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, int]:
+    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays)
+    and put it: (written, raw bytes, stored bytes)."""
+    if callable(src) or encode:
+        try:
+            if callable(src):
+                src = src()
+            else:
+                with open(src, "rb") as f:
+                    src = f.read()
+            raw = len(src)
+            if encode:
+                src = codec.encode_file(src) or src
+        except FileNotFoundError:
+            raise  # evicted or removed meanwhile
+        except (OSError, blockfile.BlockFormatError) as exc:
+            raise SourceError(str(exc)) from exc
+        return tier.put(key, src), raw, len(src)
+    raw = os.stat(src).st_size
+    return tier.put(key, src), raw, raw
+
+
+def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
+            decode: bool = True) -> Fetched:
+    """Thread: check a fetched temporary, ready to be renamed into its hot path; an encoded
+    block is decoded into it where ``decode`` (the hot tier holds blocks as saved: a mount
+    whose clients save them encoded keeps them so), never a lossy one (it was saved so)."""
+    with open(tmp, "rb") as f:
+        data = f.read()
+    hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
+    blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
+    moved = len(data)
+    if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
+        data = codec.raw_file(hdr, payload)
+        hdr = replace(hdr, encoding=None)
+        with open(tmp, "r+b") as f:
+            f.write(data)
+            f.truncate()
+    uid, gid, mode = owner
+    os.chown(tmp, uid, gid)
+    os.chmod(tmp, mode)
+    return Fetched(0, hdr, len(data), moved)
+
+
+class Tiering:
+    """The lower tiers of one mount, in order: index 1 is the first below hot."""
+
+    def __init__(self, tiers: list[Tier], limiter: trio.CapacityLimiter, *,
+                 write_through: bool = True, fetch_timeout: float | None = None,
+                 breaker_threshold: int = 3, breaker_cooldown: float = 10.0,
+                 encode: bool = True, hot_encoded: bool = False) -> None:
+        self.tiers = tiers
+        #: Clients save blocks encoded in the hot tier: fetched ones are kept encoded too.
+        self.hot_encoded = hot_encoded
+        #: Blocks put below are encoded where that pays (kvfs.format.codec; and it is built).
+        self.encode = encode and codec.available()
+        self.limiter = limiter
+        self.write_through = write_through
+        self.fetch_timeout = fetch_timeout
+        # Threads for tier calls: `limiter` bounds the calls in flight, this the threads,
+        # which outlive abandoned calls.
+        self._threads = trio.CapacityLimiter(4 * limiter.total_tokens)
+        self.breakers = [Breaker(breaker_threshold, breaker_cooldown, name=t.name)
+                         for t in tiers]
+        self.counters = [TierCounters() for _ in tiers]
+        #: (tenant, namespace) -> [raw, stored] bytes of the blocks put below (all tiers).
+        self.ns_bytes: dict[tuple[str, str], list[int]] = {}
+        self._inflight: dict[str, trio.Event] = {}
+        self._results: dict[str, Fetched | None] = {}
+        self._send, self._recv = trio.open_memory_channel[tuple[str, Source, int]](
+            UPLOAD_QUEUE)
+
+    def reachable(self) -> bool:
+        """Whether some tier may be asked now (its circuit is not open)."""
+        return any(b.state != "open" for b in self.breakers)
+
+    @property
+    def shared(self) -> list[int]:
+        """Indexes (0-based) of the tiers that other hosts read: write-through targets."""
+        return [i for i, t in enumerate(self.tiers) if t.name == "shared"]
+
+    async def run(self) -> None:
+        """The uploader tasks; runs for the mount's lifetime."""
+        async with trio.open_nursery() as nursery:
+            for _ in range(UPLOADERS):
+                nursery.start_soon(self._uploader)
+
+    def deadline(self, size: int | None) -> float:
+        if self.fetch_timeout is not None:
+            return self.fetch_timeout
+        return fetch_deadline(size if size is not None else DEFAULT_BLOCK_BYTES, floor=1.0)
+
+    async def _call(self, i: int, fn: Callable[..., Any], *args: Any,
+                    timeout: float, opens: int | None = None) -> tuple[bool, Any]:
+        """Run a blocking tier call with a deadline: (done, result). The deadline starts when
+        the call gets a thread (waiting for one is not the tier's fault); a call past it is
+        abandoned (its thread finishes on its own) and counted as a timeout. With `opens`
+        (the breaker's `opens` when the call was allowed), a call whose tier's circuit opened
+        while it waited for a thread raises `_Refused` instead of paying another deadline."""
+        async with self.limiter:
+            if opens is not None and self.breakers[i].opens != opens:
+                raise _Refused
+            with trio.move_on_after(timeout):
+                return True, await trio.to_thread.run_sync(fn, *args, limiter=self._threads,
+                                                           abandon_on_cancel=True)
+        return False, None
+
+    async def fetch(self, key: str, final: str | Destination, owner: tuple[int, int, int],
+                    size: int | None = None) -> Fetched | None:
+        """Bring a block from the first lower tier that has it to `final` (a path in a tree
+        only the daemon writes, or a `Destination`); None on a miss."""
+        event = self._inflight.get(key)
+        if event is not None:
+            await event.wait()
+            return self._results.get(key)
+        event = self._inflight[key] = trio.Event()
+        result = None
+        try:
+            result = await self._fetch(key, final, owner, size)
+        finally:
+            self._results[key] = result
+            del self._inflight[key]
+            event.set()
+            if len(self._results) > 1024:  # keep only what waiters may still read
+                self._results.clear()
+        return result
+
+    async def _fetch(self, key: str, final: str | Destination, owner: tuple[int, int, int],
+                     size: int | None) -> Fetched | None:
+        if isinstance(final, str):
+            name, where = os.path.basename(final), os.path.dirname(final)
+
+            def temporary(tag: str) -> str:
+                return f"{where}/.kvfs-tmp.{tag}"
+
+            def put(tmp: str) -> None:
+                os.rename(tmp, final)
+        else:
+            name, temporary, put = final.name, final.temporary, final.place
+        for i, tier in enumerate(self.tiers):
+            c, breaker = self.counters[i], self.breakers[i]
+            opens = breaker.opens
+            if not breaker.allow():
+                c.skipped += 1
+                continue
+            tmp = temporary(f"fetch.{time.monotonic_ns()}")
+            handoff = _Handoff()
+
+            def work(tier: Tier = tier, tmp: str = tmp, handoff: _Handoff = handoff
+                     ) -> Fetched | None:
+                try:
+                    if not tier.get(key, tmp):
+                        return None
+                    fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded)
+                    return handoff.place(tmp, put, fetched)
+                finally:
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+
+            start = time.monotonic()
+            try:
+                done, got = await self._call(i, work, timeout=self.deadline(size),
+                                             opens=opens)
+            except _Refused:
+                c.skipped += 1
+                continue
+            except TierError as exc:
+                c.errors += 1
+                breaker.failure()
+                log.warning("fetch %s: %s", key, exc)
+                continue
+            except blockfile.BlockFormatError as exc:
+                c.bad_blocks += 1
+                breaker.success()
+                log.warning("fetch %s from %s tier: bad block, not served: %s", key, tier.name,
+                            exc)
+                continue
+            except OSError as exc:
+                c.errors += 1
+                log.warning("fetch %s from %s tier: %s", key, tier.name, exc)
+                continue
+            if not done and (got := handoff.abandon()) is not None:
+                done = True  # placed just as the deadline passed: keep it
+            if not done:
+                c.timeouts += 1
+                breaker.failure()
+                log.warning("fetch %s from %s tier: no answer within %.1f s", key, tier.name,
+                            self.deadline(size))
+                continue
+            breaker.success()
+            c.observe(time.monotonic() - start)
+            if got is None:
+                c.misses += 1
+                continue
+            c.hits += 1
+            c.fetched_bytes += got.moved
+            got.tier = i + 1
+            return got
+        return None
+
+    async def locate(self, key: str, *, ask_presigned: bool = True, start: int = 0
+                     ) -> tuple[int, int | None] | None:
+        """(0-based index, size) of the first lower tier that holds `key`, asked in order
+        (an S3 tier: one HEAD) within the deadlines and circuits of a fetch; None if none
+        does. Without `ask_presigned`, a tier whose objects a presigned GET reads is not
+        asked while its circuit is closed: it is the answer, size None (the client's GET
+        will tell); while the circuit is half-open the HEAD is its probe. `start`: the
+        tiers before it are not asked (the caller did). Moves no block."""
+        for i, tier in enumerate(self.tiers):
+            if i < start:
+                continue
+            c, breaker = self.counters[i], self.breakers[i]
+            if not ask_presigned and tier.presigns and breaker.state == "closed":
+                return i, None
+            opens = breaker.opens
+            if not breaker.allow():
+                c.skipped += 1
+                continue
+            try:
+                done, size = await self._call(i, tier.size, key, timeout=self.deadline(0),
+                                              opens=opens)
+            except _Refused:
+                c.skipped += 1
+                continue
+            except (TierError, OSError) as exc:
+                c.errors += 1
+                breaker.failure()
+                log.warning("locate %s: %s", key, exc)
+                continue
+            if not done:
+                c.timeouts += 1
+                breaker.failure()
+                continue
+            breaker.success()
+            if size is None:
+                c.misses += 1
+                continue
+            return i, size
+        return None
+
+    async def open_many(self, i: int, keys: list[str]
+                        ) -> list[tuple[int, int] | None] | None:
+        """(descriptor, size) of `keys`' files in tier `i` (None: absent), opened in one thread call
+        within one lookup's deadline and the tier's circuit (a tier of files: kvfs.daemon.handout);
+        None if the tier could not answer. The caller closes them; a call abandoned at its
+        deadline closes its own."""
+        c, breaker, tier = self.counters[i], self.breakers[i], self.tiers[i]
+        lock, box = threading.Lock(), {"abandoned": False}
+
+        def opener() -> list[tuple[int, int] | None]:
+            fds = []
+            try:
+                for k in keys:
+                    fds.append(tier.open_block(k))
+            except BaseException:
+                _close(fds)
+                raise
+            with lock:
+                if box["abandoned"]:
+                    _close(fds)
+                    return []
+                box["fds"] = fds
+            return fds
+
+        def abandon() -> None:
+            with lock:
+                box["abandoned"] = True
+                _close(box.pop("fds", []))  # type: ignore[arg-type]
+
+        opens = breaker.opens
+        if not breaker.allow():
+            c.skipped += len(keys)
+            return None
+        try:
+            done, got = await self._call(i, opener, timeout=self.deadline(0), opens=opens)
+        except _Refused:
+            c.skipped += len(keys)
+            return None
+        except (TierError, OSError) as exc:
+            c.errors += 1
+            breaker.failure()
+            log.warning("open %d keys: %s", len(keys), exc)
+            return None
+        except BaseException:  # cancelled (a grant's budget spent): nothing left open
+            abandon()
+            raise
+        if not done:
+            abandon()
+            c.timeouts += 1
+            breaker.failure()
+            return None
+        breaker.success()
+        c.misses += sum(1 for fd in got if fd is None)
+        return got
+
+    async def demote(self, key: str, path: Source, size: int) -> int:
+        """Put a block being evicted into the first lower tier: its 1-based index, 0 if it
+        could not be placed there (then the block is simply deleted)."""
+        if not self.tiers:
+            return 0
+        c, breaker = self.counters[0], self.breakers[0]
+        if not breaker.allow():
+            c.demotion_failures += 1
+            return 0
+        try:
+            done, put = await self._call(0, _put, self.tiers[0], key, path, self.encode,
+                                         timeout=self.deadline(size) * 4)
+        except SourceError as exc:
+            c.demotion_failures += 1
+            log.warning("demote %s: the hot copy is not a block: %s", key, exc)
+            return 0
+        except (TierError, OSError) as exc:
+            breaker.failure()
+            c.demotion_failures += 1
+            log.warning("demote %s: %s", key, exc)
+            return 0
+        if not done:
+            breaker.failure()
+            c.demotion_failures += 1
+            return 0
+        breaker.success()
+        c.demotions += 1
+        self._count_put(c, key, put)
+        return 1
+
+    def enqueue_upload(self, key: str, path: Source) -> None:
+        if not self.write_through:
+            return
+        for i in self.shared:
+            try:
+                self._send.send_nowait((key, path, i))
+            except trio.WouldBlock:
+                self.counters[i].uploads_dropped += 1
+
+    async def _uploader(self) -> None:
+        async for key, path, i in self._recv:
+            c, breaker = self.counters[i], self.breakers[i]
+            for attempt in range(UPLOAD_RETRIES):
+                if not breaker.allow():
+                    await trio.sleep(breaker.cooldown / 2 + attempt)
+                    continue
+                try:
+                    done, put = await self._call(i, _put, self.tiers[i], key, path,
+                                                 self.encode, timeout=self.deadline(None) * 4)
+                except FileNotFoundError:
+                    break  # evicted or removed before it was uploaded: nothing to publish
+                except SourceError as exc:
+                    log.warning("upload %s: the hot copy is not a block: %s", key, exc)
+                    c.upload_failures += 1
+                    break
+                except (TierError, OSError) as exc:
+                    breaker.failure()
+                    log.info("upload %s (attempt %d): %s", key, attempt + 1, exc)
+                    await trio.sleep(0.5 * 2 ** attempt)
+                    continue
+                if done:
+                    breaker.success()
+                    c.uploads += 1
+                    self._count_put(c, key, put)
+                    break
+                breaker.failure()
+            else:
+                c.upload_failures += 1
+
+    def _count_put(self, c: TierCounters, key: str, put: tuple[bool, int, int]) -> None:
+        wrote, raw, stored = put
+        if wrote:
+            c.put_raw_bytes += raw
+            c.put_stored_bytes += stored
+            tenant, ns = key.split("/", 2)[:2]
+            got = self.ns_bytes.setdefault((tenant, ns), [0, 0])
+            got[0] += raw
+            got[1] += stored
+
+    async def delete(self, key: str, shared: bool = True) -> None:
+        """Best effort: remove a block from the lower tiers (with `shared`, from the tiers
+        other hosts read too)."""
+        for i, tier in enumerate(self.tiers):
+            if (shared or i not in self.shared) and self.breakers[i].allow():
+                try:
+                    await self._call(i, tier.delete, key, timeout=self.deadline(0) * 4)
+                except (TierError, OSError) as exc:
+                    log.info("delete %s from %s tier: %s", key, tier.name, exc)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        out = []
+        for tier, c, b in zip(self.tiers, self.counters, self.breakers, strict=True):
+            d = {k: v for k, v in c.__dict__.items() if k != "latency"}
+            d.update(name=tier.name, url=tier.url, circuit=b.state,
+                     codec="planes" if self.encode else "none",
+                     ratio=codec.ratio(c.put_raw_bytes, c.put_stored_bytes),
+                     fetch_latency={("+Inf" if math.isinf(le) else str(le)): n
+                                    for le, n in zip(LATENCY_BUCKETS, c.latency, strict=True)})
+            out.append(d)
+        return out
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+
+def _close(files: list[tuple[int, int] | None]) -> None:
+    for f in files:
+        if f is not None:
+            os.close(f[0])
