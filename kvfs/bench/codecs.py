@@ -75,10 +75,18 @@ import xxhash
 
 from ..format import blockfile, codec
 from .common import finish
-from .harness import Mount, conditions, conditions_after, fuse_available
+from .harness import (
+    LLAMA_HEAD_DIM,
+    LLAMA_KV_HEADS,
+    LLAMA_LAYERS,
+    Mount,
+    conditions,
+    conditions_after,
+    fuse_available,
+)
 from .records import Kind, figure_table
 
-LLAMA = dict(layers=32, heads=8, dim=128, tokens=16)
+LLAMA = dict(layers=LLAMA_LAYERS, heads=LLAMA_KV_HEADS, dim=LLAMA_HEAD_DIM, tokens=16)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -154,16 +154,6 @@ def recompute_ms(tokens: int, repeats: int = 3) -> float:
     return round((median(runs) or 0.0) * 1e3, 2)
 
 
-def _wait_uploaded(mnt: Mount, n: int, timeout: float) -> int:
-    deadline = time.monotonic() + timeout
-    while True:
-        tiers = mnt.stats().get("tiers") or [{}]
-        done = tiers[-1].get("uploads", 0)
-        if done >= n or time.monotonic() > deadline:
-            return done
-        time.sleep(0.2)
-
-
 def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int = 32,
         fetch_timeout: float = 1.0, tier_cooldown: float = 2.0, interval: float = 0.1,
         latency: float = 0.05, bandwidth: float = 50e6, seed: int = 0,
@@ -229,7 +219,7 @@ def run(*, workdir: str, requests: int = 30, tokens: int = 2048, block_size: int
                 for hashes in chains:
                     cache.save(hashes, payload)
             if server:
-                done = _wait_uploaded(pub, requests * blocks, 120)
+                done = pub.wait_uploaded(requests * blocks, 120)
                 if done < requests * blocks:
                     raise RuntimeError(f"only {done} of {requests * blocks} blocks reached "
                                        "the S3 server in 120 s")

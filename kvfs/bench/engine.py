@@ -51,17 +51,6 @@ S3_BUDGET_S = 60.0
 BUCKET = "kvfs-bench"
 
 
-def _wait_uploaded(m: Mount, n: int, timeout: float = 300.0) -> int:
-    """Wait until the mount's last tier (S3) counts ``n`` uploads; the count reached."""
-    deadline = time.monotonic() + timeout
-    while True:
-        tiers = m.stats().get("tiers") or [{}]
-        done = tiers[-1].get("uploads", 0)
-        if done >= n or time.monotonic() > deadline:
-            return done
-        time.sleep(0.2)
-
-
 def _start_s3(base: str) -> tuple[S3Server | None, str]:
     """The local S3 server with the bench bucket, or None and why not."""
     import contextlib  # noqa: PLC0415
@@ -141,7 +130,7 @@ def main(args: Any) -> int:
         results["recompute"] = _engine(args, work, ["--connector", "none"], repeated)
         if server is not None:
             blocks = int(saved.get("worker", {}).get("client", {}).get("saved_blocks", 0))
-            done = _wait_uploaded(m, blocks)
+            done = m.wait_uploaded(blocks)
             if done < blocks:
                 s3_note = f"not measured: only {done} of {blocks} blocks reached S3 in 300 s"
             else:

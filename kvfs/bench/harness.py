@@ -42,6 +42,26 @@ __all__ = ["CLIENT_ENV", "REGION", "S3Server", "free_ports", "weed_binary"]
 KVFS = [sys.executable, "-m", "kvfs.cli"]
 #: Writing 1 drops the page cache, 2 dentries and inodes, 3 both (root only).
 DROP_CACHES = "/proc/sys/vm/drop_caches"
+#: The KV shape of Llama-3-8B (layers, KV heads, head_dim; bfloat16): the restore, tiers and
+#: codec benchmarks' synthetic blocks.
+LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 32, 8, 128
+LLAMA_TOKEN_BYTES = LLAMA_LAYERS * 2 * LLAMA_KV_HEADS * LLAMA_HEAD_DIM * 2
+
+
+def log(msg: str, *, err: bool = False) -> None:
+    """A benchmark's progress line, timestamped, on stdout (``err``: stderr)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr if err else sys.stdout,
+          flush=True)
+
+
+def llama_spec(block_mib: float) -> Any:
+    """The model spec of Llama-3-8B-shaped blocks of ``block_mib`` MiB (at least a token)."""
+    from ..format.hashing import ModelSpec  # noqa: PLC0415
+
+    return ModelSpec(model="bench/llama-3-8b-shape", revision="r1", kv_dtype="bfloat16",
+                     block_size=max(1, int(block_mib * (1 << 20)) // LLAMA_TOKEN_BYTES),
+                     num_layers=LLAMA_LAYERS, num_kv_heads=LLAMA_KV_HEADS,
+                     head_dim=LLAMA_HEAD_DIM)
 
 
 # -- statistics ----------------------------------------------------------------------------------
@@ -390,6 +410,17 @@ class Mount:
 
     def pid(self) -> int:
         return int(self.stats()["pid"])
+
+    def wait_uploaded(self, n: int, timeout: float = 300.0) -> int:
+        """Wait until the mount's last tier (the shared one) counts ``n`` uploads, or
+        ``timeout`` seconds: the count reached."""
+        deadline = time.monotonic() + timeout
+        while True:
+            tiers = self.stats().get("tiers") or [{}]
+            done = tiers[-1].get("uploads", 0)
+            if done >= n or time.monotonic() > deadline:
+                return done
+            time.sleep(0.2)
 
     def tier(self, i: int = 0) -> dict[str, Any]:
         """The counters of the mount's `i`-th lower tier."""

@@ -17,15 +17,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .harness import Mount, drop_caches, quantile, read_text, settle
+from .harness import Mount, drop_caches, log, quantile, read_text, settle
 
 MiB = 1024 * 1024
 CHUNK = 1 * MiB
 TENANT = "bench"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def read_ahead_kb(path: str) -> int | None:

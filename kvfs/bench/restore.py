@@ -56,6 +56,7 @@ the client's own count (``cache.stats``) over each path's loads.
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -65,6 +66,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from .harness import Mount, can_drop_caches, conditions, conditions_after, median
+from .harness import log as _progress
 from .plot import data_ticks, title
 from .records import Kind, md_table, num_text, number, ratio_text, rows_of
 from .restore_paths import (  # noqa: F401 - the paths' API, as `restore.X` too
@@ -93,9 +95,7 @@ TARGET_X_RAW_COLD = 0.95
 TARGET_X_RAW_SAMPLED = 0.95
 TARGET_CONTROL_MS = 1.0  # per 64-block lookup + load
 
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(_progress, err=True)  # progress on stderr: stdout is the table
 
 
 def bench_size(args: Any, mount: Mount, work: str, block_mib: int) -> list[dict[str, Any]]:
@@ -103,7 +103,7 @@ def bench_size(args: Any, mount: Mount, work: str, block_mib: int) -> list[dict[
 
     t = time.perf_counter()
     blocks = Blocks(mount, work, block_mib, args.total_mib, args.request_mib)
-    _log(f"{block_mib} MiB blocks: {blocks.n} ({blocks.total_payload / 2**30:.2f} GiB of KV, "
+    log(f"{block_mib} MiB blocks: {blocks.n} ({blocks.total_payload / 2**30:.2f} GiB of KV, "
          f"{blocks.spec.block_size} tokens each, {blocks.per_request} per request), and as "
          f"many torch.save files, written in {time.perf_counter() - t:.1f} s")
     rows: list[dict[str, Any]] = []
@@ -169,7 +169,7 @@ def bench_size(args: Any, mount: Mount, work: str, block_mib: int) -> list[dict[
                     rows.append({"path": path, "block_mib": block_mib, "threads": threads,
                                  "cache": state, "blocks": blocks.n,
                                  "request_blocks": blocks.per_request, "loadavg": load, **r})
-                _log(f"  {block_mib:>2} MiB {threads} thr {state}: " + "  ".join(
+                log(f"  {block_mib:>2} MiB {threads} thr {state}: " + "  ".join(
                     f"{p} {r['gbps']:.2f}" for p, r in got.items()) + f" GB/s (load {load})"
                     + "".join(f"; {p} {r['x_raw']:.2f}x raw, {r[vkey]:.2f}x {VERIFIED}"
                               for p, r in got.items() if vkey in r and p != VERIFIED))
@@ -303,7 +303,7 @@ def table(record: dict[str, Any]) -> str:
 def run(args: Any) -> dict[str, Any]:
     """The whole benchmark; returns the record."""
     if args.cold and not can_drop_caches():
-        _log("not root: no cold-cache figures (dropping the page cache needs root)")
+        log("not root: no cold-cache figures (dropping the page cache needs root)")
         args.cold = False
     work = tempfile.mkdtemp(prefix=".kvfs-bench-restore-", dir=os.path.abspath(args.dir))
     os.chmod(work, 0o755)
@@ -324,12 +324,12 @@ def run(args: Any) -> dict[str, Any]:
             for size in args.sizes:
                 record["rows"] += bench_size(args, mount, work, size)
         if args.control_requests:
-            _log("control plane")
+            log("control plane")
             record["control"] = bench_control(args, mount)
     finally:
         mount.stop(check=False)
         if mount.tracebacks():
-            _log(f"WARNING: the daemon logged a traceback: see {mount.log}")
+            log(f"WARNING: the daemon logged a traceback: see {mount.log}")
             keep = True
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -15,13 +15,11 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Any
 
-from .harness import Mount, drop_caches, median, quantile, read_text
+from .harness import Mount, drop_caches, llama_spec, median, quantile, read_text
 
 MiB = 1 << 20
 TENANT = "bench"
 #: KV of a Llama-3-8B-shaped model: 32 layers, 8 KV heads of 128, bfloat16: 128 KiB per token.
-LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 PATHS = ("raw", "raw+xxh3", "fio", "direct", "direct-sampled", "mount", "torch.load")
 #: The honest baseline of a verified read: raw preadv, then one xxh3_64 pass over the bytes.
 VERIFIED = "raw+xxh3"
@@ -29,14 +27,6 @@ CONTROL_BLOCKS = 64
 
 
 # -- one block size ----------------------------------------------------------------------------
-
-
-def spec_for(block_mib: int) -> Any:
-    from ..format.hashing import ModelSpec  # noqa: PLC0415
-
-    return ModelSpec(model="bench/llama-3-8b-shape", revision="r1", kv_dtype="bfloat16",
-                     block_size=max(1, block_mib * MiB // TOKEN_BYTES), num_layers=LAYERS,
-                     num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 class Blocks:
@@ -49,7 +39,7 @@ class Blocks:
         from ..client import KVCache  # noqa: PLC0415
         from ..client.transport import host_view  # noqa: PLC0415
 
-        self.spec = spec_for(block_mib)
+        self.spec = llama_spec(block_mib)
         self.block_mib = block_mib
         self.n = max(1, total_mib // block_mib)
         self.per_request = max(1, request_mib // block_mib)

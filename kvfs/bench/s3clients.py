@@ -42,10 +42,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import io
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -55,6 +55,7 @@ from urllib.parse import quote
 
 from .common import finish
 from .harness import conditions, conditions_after, cpu_seconds, median
+from .harness import log as _progress
 from .records import Kind, md_table, number, ratio_text, rows_of
 from .seaweed import ACCESS_KEY, REGION, SECRET_KEY, S3Server, weed_binary
 
@@ -74,9 +75,7 @@ HOW = {
 PACKAGES = {"boto3": "boto3", "obstore": "obstore", "awscrt": "awscrt", "urllib3": "urllib3"}
 TIMEOUT = 120.0
 
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+log = functools.partial(_progress, err=True)  # progress on stderr: stdout is the table
 
 
 class ClientError(RuntimeError):

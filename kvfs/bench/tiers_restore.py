@@ -18,7 +18,7 @@ import torch
 
 from ..client import KVCache
 from ..format.hashing import ModelSpec, block_relpath
-from .harness import REGION, Mount, host_buffer, median
+from .harness import REGION, Mount, host_buffer, log, median
 
 MiB = 1 << 20
 HEADER = 4096
@@ -26,14 +26,8 @@ TENANT = "t"
 BUCKET = "kvfs-bench"
 PREFIX = "kvfs"
 #: KV of a Llama-3-8B-shaped model: 32 layers, 8 KV heads of 128, bfloat16: 128 KiB per token.
-LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * 2
 #: The daemon runs at most this many tier calls at once (its tier thread limiter).
 TIER_THREADS = 32
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 class BenchError(RuntimeError):
@@ -91,12 +85,6 @@ def hist_quantile(hist: dict[str, int], q: float) -> str | None:
 
 
 # -- blocks ------------------------------------------------------------------------------------
-
-
-def spec_for(block_mib: int) -> ModelSpec:
-    return ModelSpec(model="bench/llama-3-8b-shape", revision="r1", kv_dtype="bfloat16",
-                     block_size=block_mib * MiB // TOKEN_BYTES, num_layers=LAYERS,
-                     num_kv_heads=KV_HEADS, head_dim=HEAD_DIM)
 
 
 class Sets:
