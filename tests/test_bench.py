@@ -468,6 +468,12 @@ def test_tools_bench_tiers_writes_a_record_the_report_renders(tmp_path):
                  "fresh-miss request p50, +50 ms", "large restore from S3: blocks found"):
         assert want in figures
     assert record["restore"]["s3"]["gbps"] > 0 and record["large"]["found"] == 4
+    for tier in ("hot", "cold"):  # beside the raw read: the read plus the hash
+        r = record["restore"][tier]
+        assert 0 < r["hashed_gbps"] and r["hashed_ratio"] > 0
+        assert f"  restore from {'hot' if tier == 'hot' else 'cold dir tier'} vs reading " \
+            "and hashing" in figures
+    assert "hashed_gbps" not in record["restore"]["s3"]
     assert record["proxy"]["requests"] > 0  # the latency reader went through the proxy
     assert record["conditions"]["versions"]["weed"]
     kvfs("bench", "report", "--records", str(tmp_path / "out"), "--output",

@@ -153,6 +153,12 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                           r["latency_ms"] / r["baseline_ms"]),
                          f"median of {len(r['rounds']) - r['short_rounds']} of "
                          f"{res['params']['repeats']} rounds"))
+            if r.get("hashed_gbps") is not None:
+                rows.append((f"  restore from {label} vs reading and hashing",
+                             _f(r["gbps"], unit=" GB/s"),
+                             f"{_f(r['hashed_gbps'], unit=' GB/s')} (preadv + xxh3 of the same "
+                             "files)", r["hashed_ratio"],
+                             "the least a verified load does with them; same threads"))
             if tier == "s3" and r.get("url_gbps") is not None:
                 rows.append((f"  restore from {label} vs the fastest client",
                              _f(r["gbps"], unit=" GB/s"),
