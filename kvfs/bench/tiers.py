@@ -577,10 +577,13 @@ Llama-3-8B's (128 KiB per token).
 
 - **Restore throughput**: per round a fresh set of blocks, the source read once untimed first
   (the tool never drops the page cache), then the restore and its baselines in an order that
-  rotates between rounds. Baselines: threaded `preadv` of the same files, threaded boto3 GETs
-  of the same objects (as many threads as the daemon's tier pool), and the least a restore from
-  a lower tier must move: each block copied into a new file on the hot filesystem and read back,
-  no verification. GB/s counts KV payload; figures are medians of the rounds.
+  rotates between rounds. Baselines: threaded `preadv` of the same files, and the same read
+  with xxh3 of each file's bytes on the same threads (the least a verified load does with
+  them: the hash is the part of the gap a restore that verifies every byte cannot close),
+  threaded boto3 GETs of the same objects (as many threads as the daemon's tier pool), and the
+  least a restore from a lower tier must move: each block copied into a new file on the hot
+  filesystem and read back, no verification. GB/s counts KV payload; figures are medians of
+  the rounds.
 - **Large restore**: one request of many blocks from S3 on a reader with the daemon's own
   deadline, against boto3 GETs of the same objects; then the fetches that timed out, and any
   fetched block file in the hot directory that the mount's index lacks.
