@@ -412,7 +412,7 @@ def _lmcache(plan: dict[str, Any]) -> dict[str, Any]:
         cfg |= {"storage_plugins": ["kvfs"], "extra_config": {
             "storage_plugin.kvfs.module_path": "kvfs.integrations.lmcache",
             "storage_plugin.kvfs.class_name": "KVFSBackend",
-            "kvfs.daemon.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
+            "kvfs.mount": plan["mount"], "kvfs.tenant": plan["tenant"],
             **plan.get("extra", {})}}
     elif plan["backend"] == "raw":  # LMCache's CPU backend only, as the allocator
         name = "LocalCPUBackend"

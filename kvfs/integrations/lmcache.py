@@ -6,7 +6,7 @@ Loaded by LMCache's own storage-plugin launcher (LMCache 0.5.6)::
     extra_config:
       storage_plugin.kvfs.module_path: kvfs.integrations.lmcache
       storage_plugin.kvfs.class_name: KVFSBackend
-      kvfs.daemon.mount: /mnt/kvfs
+      kvfs.mount: /mnt/kvfs
       kvfs.tenant: acme
 
 Optional ``extra_config`` keys: ``kvfs.verify`` ("full", the default, or "sampled"),
@@ -59,7 +59,7 @@ from ._common import check_target, key_hash, page_spec, save_prefix
 
 log = logging.getLogger(__name__)
 
-WHERE = "the LMCache configuration's extra_config (kvfs.daemon.mount, kvfs.tenant)"
+WHERE = "the LMCache configuration's extra_config (kvfs.mount, kvfs.tenant)"
 #: Seconds a blocking get waits for room in LMCache's CPU memory (other requests' chunks
 #: being freed) before it returns the chunks it has room for; the rest are misses.
 ALLOC_WAIT = 0.2
@@ -74,7 +74,7 @@ class KVFSBackend(StoragePluginInterface):
         super().__init__(dst_device=dst_device, config=config, metadata=metadata,
                          local_cpu_backend=local_cpu_backend, loop=loop)
         extra = dict(getattr(config, "extra_config", None) or {})
-        mount, tenant = check_target(extra.get("kvfs.daemon.mount"), extra.get("kvfs.tenant"),
+        mount, tenant = check_target(extra.get("kvfs.mount"), extra.get("kvfs.tenant"),
                                      "kvfs LMCache backend", WHERE)
         if metadata is None:
             raise ValueError("kvfs LMCache backend: LMCache gave no metadata (model, shape)")
