@@ -20,6 +20,7 @@ import threading
 import torch
 
 import kvfs as kv
+from kvfs.format import hashing
 
 
 def spec(model: str) -> kv.ModelSpec:
@@ -41,7 +42,7 @@ def all_blocks(ns_dir: str | os.PathLike) -> list[bytes]:
     found = []
     for _, _, files in os.walk(ns_dir):
         for f in files:
-            h = kv.hashing.parse_block_filename(f)
+            h = hashing.parse_block_filename(f)
             if h is not None:
                 found.append(h)
     return found

@@ -31,6 +31,7 @@ torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
 from kvfs.daemon import watchdog  # noqa: E402
+from kvfs.format import hashing  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 from . import kvload  # noqa: E402
@@ -267,7 +268,7 @@ def test_sigkill_while_a_notification_waits_on_a_lookup(mount_factory, monkeypat
     fan.mkdir(exist_ok=True)  # (a lookup with lower tiers makes a fan-out directory itself)
     for i in range(4):
         (fan / f"f{i}").write_bytes(b"x" * (250 << 10))
-    missing = fan / kv.hashing.block_filename(bytes.fromhex("ab" + "00" * 15))
+    missing = fan / hashing.block_filename(bytes.fromhex("ab" + "00" * 15))
     looker = subprocess.Popen(["stat", str(missing)], stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     pid = m.pid()

@@ -13,7 +13,7 @@ from .s3server import s3  # noqa: F401 - the fixture
 torch = pytest.importorskip("torch")
 
 import kvfs as kv  # noqa: E402
-from kvfs.format import codec  # noqa: E402
+from kvfs.format import codec, hashing  # noqa: E402
 
 SPEC = kv.ModelSpec(model="org/shared", revision="r", kv_dtype="float16", block_size=16,
                     num_layers=2, num_kv_heads=2, head_dim=64)
@@ -37,7 +37,7 @@ def save(m, tokens):
 
 def wait_uploaded(s3, hashes):  # noqa: F811
     client = s3.client()
-    keys = [f"t/{SPEC.namespace}/{kv.hashing.block_relpath(h)}" for h in hashes]
+    keys = [f"t/{SPEC.namespace}/{hashing.block_relpath(h)}" for h in hashes]
     deadline = time.monotonic() + 20
     for key in keys:
         while True:
@@ -77,7 +77,7 @@ def test_a_context_saved_on_one_host_loads_on_another(mount_factory, s3):  # noq
     assert tier["uploads"] == 0  # the hot copies are not sent back to the tier they came from
     assert st["tenants"]["t"][SPEC.namespace]["promotions"] == 8
     ns_b = b.mnt / "t" / SPEC.namespace
-    assert all(os.getxattr(ns_b / kv.hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
+    assert all(os.getxattr(ns_b / hashing.block_relpath(h), "user.kvfs.tier") == b"hot"
                for h in hashes)
     # (These float16 blocks are stored as saved: encoded, they would not take a page less.)
     assert a.stats()["tiers"][0]["ratio"] == 1.0
@@ -191,7 +191,7 @@ def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # n
     assert http.value.code == 403
     # A corrupt object: fetched, found bad, not served, no hot copy.
     client = s3.client()
-    key = f"kvfs/t/{SPEC.namespace}/{kv.hashing.block_relpath(hashes[2])}"
+    key = f"kvfs/t/{SPEC.namespace}/{hashing.block_relpath(hashes[2])}"
     body = bytearray(client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
     body[4096 + 100] ^= 0xFF
     client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(body))
@@ -199,7 +199,7 @@ def test_a_grant_reaches_one_object_for_its_asker_alone(mount_factory, s3):  # n
     got, out, _ = load(b, hashes, kv_in, stats)
     assert got == 2 and torch.equal(out[:2], kv_in[:2]) and not out[2].any()
     assert stats["corrupt_blocks"] == 1 and stats["remote_blocks"] == 2
-    assert not os.path.exists(os.path.join(ns_b, kv.hashing.block_relpath(hashes[2])))
+    assert not os.path.exists(os.path.join(ns_b, hashing.block_relpath(hashes[2])))
 
 
 def test_a_hung_store_costs_misses_and_hits_return_after_it(mount_factory, s3):  # noqa: F811
@@ -265,5 +265,5 @@ def test_the_shared_tier_holds_blocks_encoded(mount_factory, s3):  # noqa: F811
         c.flush()
     # The hot copies on b were written behind as saved (decoded), and serve again.
     ns_b = b.mnt / "t" / spec.namespace
-    hot = (ns_b / kv.hashing.block_relpath(hashes[0])).read_bytes()
+    hot = (ns_b / hashing.block_relpath(hashes[0])).read_bytes()
     assert hot[8] in (1, 2) and len(hot) == raw_file
