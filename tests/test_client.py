@@ -106,7 +106,7 @@ def test_round_trip_in_another_process(mount, cache):
     assert cache.save(hashes, kv) == 0  # already there
     script = textwrap.dedent(f"""
         import json, torch, kvfs, xxhash
-        from kvfs import transport
+        from kvfs.client import transport
         spec = kvfs.ModelSpec.from_manifest({SPEC.manifest_json().decode()!r})
         with kvfs.KVCache.open({str(mount.mnt)!r}, tenant="acme", spec=spec) as c:
             hashes = c.block_hashes({toks!r})
