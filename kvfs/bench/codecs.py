@@ -545,8 +545,70 @@ def run(args: argparse.Namespace) -> int:
                          "keep": codec.KEEP, "tokens": args.tokens, "threads": args.threads,
                          "repeats": args.repeats},
               "conditions": conditions_after(cond, load=True)}
-    return finish(record, args, "\n".join(figure_table(record)))
+    return finish(record, args, "\n".join(figure_table(record)), draw)
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    """Three panels: the stored ratio and the decode speed per source (kvfs's codecs beside
+    the peer and the bound), and the gate's shares per restore (exact, one ulp off, int8)."""
+    from .plot import title  # noqa: PLC0415
+    from .records import number, rows_of  # noqa: PLC0415
+
+    rows = {r.get("figure"): r for r in rows_of(record)}
+    sources = list(dict.fromkeys(f.split(": ")[0] for f in rows
+                                 if f and f.endswith(": stored ratio")))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.8))
+
+    def bars(ax: Any, groups: list[str], series: list[tuple[str, list[float | None]]],
+             ylabel: str) -> None:
+        width = 0.8 / max(1, len(series))
+        for i, (name, values) in enumerate(series):
+            xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+            vals = [v or 0.0 for v in values]
+            ax.bar(xs, vals, width, label=name)
+            for x, v in zip(xs, values, strict=True):
+                if v:
+                    ax.annotate(f"{v:.3g}", (x, v), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(range(len(groups)), [g.replace(" (", "\n(") for g in groups], fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.legend(fontsize=7)
+
+    def val(figure: str, key: str = "kvfs") -> float | None:
+        return number(rows.get(figure, {}).get(key))
+
+    bars(axes[0], sources, [
+        ("planes (lossless)", [val(f"{s}: stored ratio") for s in sources]),
+        ("zstd -1 of the payload", [val(f"{s}: stored ratio", "baseline") for s in sources]),
+        ("int8 (lossy)", [val(f"{s}: int8 stored ratio") for s in sources])],
+        "raw bytes / stored bytes (whole files)")
+    axes[0].set_title("stored ratio", fontsize=9)
+    bars(axes[1], sources, [
+        ("planes decode", [val(f"{s}: decode, 1 thread") for s in sources]),
+        ("libzstd alone, same frames", [val(f"{s}: decode, 1 thread", "baseline")
+                                        for s in sources]),
+        ("int8 decode", [val(f"{s}: int8 decode, 1 thread") for s in sources]),
+        ("copy + xxh3 of the raw payload", [val(f"{s}: int8 decode, 1 thread", "baseline")
+                                            for s in sources])],
+        "GB/s of payload, one core")
+    axes[1].axhline(2.0, color="black", linewidth=0.8, linestyle="--")
+    axes[1].annotate("target: 2 GB/s", (-0.45, 2.0), xytext=(0, 3), textcoords="offset points",
+                     fontsize=7)
+    axes[1].set_title("decode, one core", fontsize=9)
+    restores = [("exact restore", PERTURBED, "baseline"), (PERTURBED, PERTURBED, "kvfs"),
+                ("int8 restore", "int8 restore", "kvfs")]
+    metrics = (("32-token continuations identical", "identical"), ("top-1 agreement", "top-1"))
+    bars(axes[2], [name for name, _, _ in restores], [
+        (label, [val(f"gate: {fig_of}: {m}", key) for _, fig_of, key in restores])
+        for m, label in metrics], "share of the full recompute's")
+    kl = [val(f"gate: {fig_of}: KL, mean over positions", key) for _, fig_of, key in restores]
+    axes[2].set_title("int8 quality gate, through the engine (KL, 1e-6 nats: "
+                      + ", ".join("-" if k is None else f"{k:.0f}" for k in kl) + ")",
+                      fontsize=9)
+    axes[2].set_ylim(0, 1.15)
+    fig.suptitle(title(record, "kvfs bench codec"), fontsize=9)
+    fig.tight_layout()
+    return fig
 
 
 KIND = Kind("codec", "Block codecs", "kvfs bench codec --out docs/bench", __doc__.split(
-    "\n\n", 1)[1], figure_table, ("kvfs", "baseline", "ratio"))
+    "\n\n", 1)[1], figure_table, ("kvfs", "baseline", "ratio"), plot=draw)
