@@ -514,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     conditions_after(res.setdefault("conditions", {}), load=True)
     res["rows"] = record_rows(res)
     print()
-    finish(res, args, report(res))  # the table, tiers.json and tiers.png: `kvfs bench report`
+    finish(res, args, report(res), draw)  # the table, tiers.json and tiers.png
     return 1 if res["problems"] else 0
 
 
@@ -529,13 +529,18 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), layout="constrained")
     ax = axes[0]
     tiers = [t for t in ("hot", "cold", "s3") if isinstance(restore.get(t), dict)]
-    series = (("gbps", "kvfs restore"), ("baseline_gbps", "raw read of the source"),
-              ("copy_gbps", "copy to a hot file + read back"))
+    series = [(key, label) for key, label in (
+        ("gbps", "kvfs restore"), ("baseline_gbps", "raw read of the source"),
+        ("hashed_gbps", "raw read + xxh3 of the same files"),
+        ("copy_gbps", "copy to a hot file + read back"))
+        if any(number(restore[t].get(key)) for t in tiers)]
+    width = 0.8 / max(1, len(series))
     for k, (key, label) in enumerate(series):
-        xs = [i + (k - 1) * 0.27 for i, t in enumerate(tiers) if number(restore[t].get(key))]
+        xs = [i + (k - (len(series) - 1) / 2) * width for i, t in enumerate(tiers)
+              if number(restore[t].get(key))]
         ys = [number(restore[t].get(key)) for t in tiers if number(restore[t].get(key))]
         if xs:
-            ax.bar(xs, ys, 0.27, label=label)
+            ax.bar(xs, ys, width, label=label)
     ax.set_xticks(range(len(tiers)), tiers)
     ax.set_ylabel("GB/s of KV")
     ax.set_title(f"restore of {restore.get('blocks', '?')} x {restore.get('block_mib', '?')} MiB"
