@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import xxhash
 
-from ..format import blockfile
+from ..format import blockfile, codec
 from ..format.blockfile import BlockFormatError, BlockHeader
 from . import devsum
 
@@ -36,8 +36,6 @@ from . import devsum
 FrameDecoder = Callable[[list[torch.Tensor]], list[torch.Tensor]]
 
 _MAGIC = 0xFD2FB528
-_LEN_MASK = (1 << 48) - 1
-_ZSTD_BIT = 1 << 63
 _tls = threading.local()
 #: Where each piece starts in the device copy of a block's stored bytes.
 _ALIGN = 16
@@ -93,17 +91,8 @@ def decode_into(hdr: BlockHeader, stored: Any, dests: Sequence[torch.Tensor],
     k, n = e.element_size, hdr.payload_len
     elems = n // k
     mv = memoryview(stored).cast("B")
-    if n % k or mv.nbytes < 8 * k:
-        raise BlockFormatError("codec", "bad plane table")
-    planes, at = [], 8 * k
-    for w in struct.unpack_from(f"<{k}Q", mv):
-        length = w & _LEN_MASK
-        if w & ~(_ZSTD_BIT | _LEN_MASK) or at + length > mv.nbytes or (
-                not w & _ZSTD_BIT and length != elems):
-            raise BlockFormatError("codec", "bad plane table")
-        planes.append((bool(w & _ZSTD_BIT), at, length))
-        at += length
-    if at != mv.nbytes:
+    planes = codec.plane_table(mv, k, n)
+    if any(not z and length != elems for z, _, length in planes):
         raise BlockFormatError("codec", "bad plane table")
     dev = dests[0].device
     flat = [d.reshape(-1).view(torch.uint8) for d in dests]

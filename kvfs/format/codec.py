@@ -185,6 +185,25 @@ def decode_payload(h: BlockHeader, stored: Any, dest: Any = None) -> Any:
     return out
 
 
+def plane_table(stored: Any, k: int, n: int) -> list[tuple[bool, int, int]]:
+    """A planes block's plane table (docs/format.md, codec 1) for a payload of ``n`` bytes of
+    ``k``-byte elements: (zstd frames?, offset, length) per plane, checked to fill
+    ``stored`` exactly. Raises BlockFormatError ("codec")."""
+    mv = memoryview(stored).cast("B")
+    if n % k or mv.nbytes < 8 * k:
+        raise BlockFormatError("codec", "bad plane table")
+    planes, at = [], 8 * k
+    for w in struct.unpack_from(f"<{k}Q", mv):
+        length = w & _LEN_MASK
+        if w & ~(_ZSTD_BIT | _LEN_MASK) or at + length > mv.nbytes:
+            raise BlockFormatError("codec", "bad plane table")
+        planes.append((bool(w & _ZSTD_BIT), at, length))
+        at += length
+    if at != mv.nbytes:
+        raise BlockFormatError("codec", "bad plane table")
+    return planes
+
+
 def _py_decode(stored: Any, e: Encoding, dest: Any, n: int) -> int:
     """The decoder without kvfs.format._codec: python-zstandard and slice assignment (a copy
     more)."""
@@ -194,16 +213,10 @@ def _py_decode(stored: Any, e: Encoding, dest: Any, n: int) -> int:
         raise BlockFormatError("codec", "an encoded block, and neither kvfs.format._codec nor "
                                "zstandard is installed to decode it") from None
     k, mv = e.element_size, memoryview(stored).cast("B")
-    if n % k or mv.nbytes < 8 * k:
-        raise BlockFormatError("codec", "bad plane table")
-    words = struct.unpack_from(f"<{k}Q", mv)
-    out, at, elems = bytearray(n), 8 * k, n // k
-    for p, w in enumerate(words):
-        length = w & _LEN_MASK
-        if w & ~(_ZSTD_BIT | _LEN_MASK) or at + length > mv.nbytes:
-            raise BlockFormatError("codec", "bad plane table")
+    out, elems = bytearray(n), n // k
+    for p, (zstd, at, length) in enumerate(plane_table(mv, k, n)):
         plane = mv[at:at + length]
-        if w & _ZSTD_BIT:
+        if zstd:
             try:
                 got = zstandard.ZstdDecompressor().decompressobj(
                     read_across_frames=True).decompress(plane)
@@ -213,9 +226,6 @@ def _py_decode(stored: Any, e: Encoding, dest: Any, n: int) -> int:
         if plane.nbytes != elems:
             raise BlockFormatError("codec", "bad decoded length")
         out[p::k] = plane
-        at += length
-    if at != mv.nbytes:
-        raise BlockFormatError("codec", "bad plane table")
     parts = dest if isinstance(dest, list | tuple) else [dest]
     off = 0
     for part in parts:
