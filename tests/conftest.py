@@ -42,6 +42,9 @@ from kvfs.bench.harness import (  # noqa: F401 - Mount, force_unmount: the tests
 MOUNT_FIXTURES = {"mount", "mount_factory", "s3"}
 #: Options every mount of the fixtures gets (KVFS_TEST_MOUNT_ARGS).
 MOUNT_ARGS = shlex.split(os.environ.get("KVFS_TEST_MOUNT_ARGS", ""))
+#: The key-encryption key of the fixtures' mounts (made by the first that needs it), so that
+#: tests never touch the machine's /etc/kvfs/kek.
+TEST_KEK = os.path.join(tempfile.gettempdir(), f"kvfs-test-kek-{os.getuid()}")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -129,7 +132,8 @@ def mount_factory() -> Iterator:
     os.chmod(tmp_path, 0o755)
 
     def make(name: str = "m", extra: list[str] | None = None, start: bool = True) -> Mount:
-        m = Mount.under(tmp_path / name, [*(extra or []), *MOUNT_ARGS])
+        # Every "host" of a test shares one key-encryption key, as hosts sharing a tier must.
+        m = Mount.under(tmp_path / name, [*(extra or []), *MOUNT_ARGS], key_file=TEST_KEK)
         mounts.append(m)
         if start:
             m.start()

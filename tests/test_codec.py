@@ -106,7 +106,7 @@ def test_encoding_fields_are_checked() -> None:
     enc = bytearray(codec.encode_file(raw_block(kv_like(30_000))) or b"")
     for off, value, match in [
         (192, struct.pack("<H", 9), "unknown codec"),
-        (194, struct.pack("<H", 2), "flags"),
+        (194, struct.pack("<H", 4), "flags"),  # 1: sums, 2: sealed
         (196, struct.pack("<I", 4), "element size"),
         (200, struct.pack("<I", 0), "chunk"),
         (204, struct.pack("<I", 1), "tiles"),  # planes has none

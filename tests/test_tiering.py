@@ -474,8 +474,10 @@ def test_blocks_below_are_stored_encoded(mount_factory, tmp_path, tier_codec):
     stored = {p: p.read_bytes() for p in below if p.exists()}
     assert len(stored) >= 6
     encoding = tier_codec == "planes" and codec.available()
-    for data in stored.values():
-        assert (data[8] == blockfile.ENCODED_VERSION) == encoding
+    for data in stored.values():  # sealed (encryption at rest, the default), encoded first
+        e = blockfile.decode_header(data).encoding
+        assert e is not None and e.seal is not None
+        assert (e.codec == blockfile.CODEC_PLANES) == encoding
     for h, d in blocks:  # promoted back: the same bytes, the hot copy as saved
         assert (ns / hashing.block_relpath(h)).read_bytes() == d
     st = m.stats()

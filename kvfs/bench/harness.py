@@ -353,6 +353,8 @@ class Mount:
     #: The daemon's environment (None: this one's), e.g. an S3 identity.
     env: dict[str, str] | None = None
     name: str = ""
+    #: The key-encryption key (``--key-file``) unless ``extra`` names one (None: the default).
+    key_file: str | None = None
 
     @classmethod
     def under(cls, base: str | Path, extra: Sequence[str] = (), **kw: Any) -> Mount:
@@ -368,7 +370,10 @@ class Mount:
     def start(self, timeout: float | None = None) -> float:
         """Mount (``kvfs mount`` returns once the daemon serves); the seconds it took."""
         t = time.perf_counter()
-        run_kvfs("mount", self.backing, self.mnt, "--log", self.log, *self.extra,
+        keys = ([] if self.key_file is None
+                or any(a in ("--key-file", "--key-command") for a in self.extra)
+                else ["--key-file", self.key_file])
+        run_kvfs("mount", self.backing, self.mnt, "--log", self.log, *self.extra, *keys,
                  env=self.env, timeout=timeout)
         dt = time.perf_counter() - t
         if not os.path.ismount(self.mnt):

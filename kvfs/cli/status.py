@@ -41,7 +41,17 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
                      f"({human(t['known_bytes'])})  circuit {t['circuit']}  hits {t['hits']}  "
                      f"misses {t['misses']}  timeouts {t['timeouts']}  errors {t['errors']}  "
                      f"uploads {t['uploads']} (failed {t['upload_failures']})  "
-                     f"codec {t['codec']}" + (f" ({t['ratio']}x)" if t.get("ratio") else ""))
+                     f"codec {t['codec']}" + (f" ({t['ratio']}x)" if t.get("ratio") else "")
+                     + ("  sealed" if t.get("sealed") else "  not encrypted")
+                     + (f"  key errors {t['key_errors']}" if t.get("key_errors") else "")
+                     + (f"  refused by placement {t['refused_placements']}"
+                        if t.get("refused_placements") else ""))
+    for tenant, g in sorted(stats.get("governance", {}).items()):
+        keys = g["keys"]
+        lines.append(f"tenant {tenant}: placement {g['placement']}  keys "
+                     f"{', '.join(keys['live']) or 'none'}"
+                     + (f" (retired {', '.join(keys['retired'])})" if keys["retired"] else "")
+                     + ("  forgotten before" if keys.get("forgotten") else ""))
     rows = [("TENANT", "NAMESPACE", "FILES", "BYTES", "HIT%", "HITS", "MISSES", "READ",
              "WRITTEN", "EVICTED")]
     for tenant, spaces in sorted(stats["tenants"].items()):

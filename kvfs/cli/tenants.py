@@ -9,6 +9,7 @@ import sys
 import time
 
 from ..format import control
+from . import keys
 from .common import EXIT_FAIL, EXIT_USAGE, CliError, human, print_table, read_stats
 
 
@@ -28,10 +29,22 @@ def cmd_tenant_add(args: argparse.Namespace) -> int:
     print(f"kvfs: tenant {args.name} (uid {args.uid}, gid {args.gid}, mode {args.mode}) "
           f"at {path}")
     _set_limits(path, args)
+    deadline = time.monotonic() + 5  # the daemon makes its key in the background
+    while time.monotonic() < deadline:
+        st = keys.key_state(path)
+        if not st.get("encrypt", True):
+            break  # no keys on this mount (no lower tier, or --no-encrypt)
+        live = st.get("live")
+        if live:
+            print(f"kvfs: {args.name}: key {live[0]} (blocks below the hot tier are sealed "
+                  "with it)")
+            break
+        time.sleep(0.05)
     return 0
 
 
-LIMIT_OPTIONS = (("quota", "quota"), ("max_idle", "max_idle"), ("max_age", "max_age"))
+LIMIT_OPTIONS = (("quota", "quota"), ("max_idle", "max_idle"), ("max_age", "max_age"),
+                 ("placement", "placement"))
 
 
 def _set_limits(path: str, args: argparse.Namespace) -> None:
@@ -61,7 +74,8 @@ def cmd_tenant_set(args: argparse.Namespace) -> int:
 def cmd_tenant_list(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
     read_stats(mountpoint)
-    rows = [("TENANT", "UID", "GID", "MODE", "USED", "QUOTA", "MAX_IDLE", "MAX_AGE")]
+    rows = [("TENANT", "UID", "GID", "MODE", "USED", "QUOTA", "MAX_IDLE", "MAX_AGE",
+             "PLACEMENT")]
     for name in sorted(os.listdir(mountpoint)):
         if name == ".kvfs":
             continue
@@ -78,7 +92,8 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
         rows.append((name, str(st.st_uid), str(st.st_gid), f"{st.st_mode & 0o7777:o}",
                      human(int(used)) if used.isdigit() else "?",
                      human(int(quota)) if quota.isdigit() else quota,
-                     x(control.limit_name("max_idle")), x(control.limit_name("max_age"))))
+                     x(control.limit_name("max_idle")), x(control.limit_name("max_age")),
+                     x(control.limit_name("placement"))))
     print_table(rows)
     return 0
 
@@ -154,6 +169,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                             help="remove files idle this long, e.g. 12h ('none' clears)")
         parser.add_argument("--max-age", dest="max_age",
                             help="remove files older than this, e.g. 7d ('none' clears)")
+        parser.add_argument("--placement", help="the tiers its blocks may reach, e.g. "
+                            "hot,cold,eu ('all' clears)")
+    keys.register(tsub)
     tl = tsub.add_parser("list", help="list tenants")
     tl.add_argument("mountpoint")
     tl.set_defaults(func=cmd_tenant_list)

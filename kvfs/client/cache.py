@@ -44,6 +44,7 @@ from ..format.layout import MANIFEST as _MANIFEST
 from ..format.layout import TEMP_PREFIX
 from . import leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
+from .keys import NamespaceKeys
 from .layouts import DTYPES
 from .load import Loading
 from .save import Saving
@@ -137,6 +138,8 @@ class KVCache(Saving, Loading):
             raise ValueError(f"verify must be 'full' or 'sampled', got {verify!r}")
         threads = threads or min(32, 4 * (os.cpu_count() or 1))
         self.ns_dir, self.data_dir, self.spec, self.direct = ns_dir, data_dir, spec, direct
+        #: The keys that open this namespace's sealed blocks (asked of the daemon when needed).
+        self.keys = NamespaceKeys(ns_dir)
         self.verify, self.fsync = verify, fsync
         self._full = verify == "full"
         self.transport: PosixTransport = select_transport(io, spec.block_payload_bytes, threads)
@@ -236,6 +239,7 @@ class KVCache(Saving, Loading):
         self._remote_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         remote.forget(self.ns_dir)
+        self.keys.forget()
         leases.forget(self.ns_dir)
 
     def __enter__(self) -> KVCache:

@@ -8,6 +8,9 @@ it encodes, so all of it lands there. :func:`decode_landed` then takes the store
 stored bytes' checksum first and the decoded payload's as it is written. A layer-wise or
 device load reads the file whole first (:func:`decode_fd`); into GPU memory, a planes block's
 zstd frames are decoded there, with nvCOMP where it is installed (:mod:`.gpudecode`).
+A sealed block (encrypted under its tenant's key, kvfs.format.seal) is opened first, with its
+namespace's key (:mod:`.keys`): decrypted in place where it landed, authenticated, then
+decoded where a codec stored it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from typing import Any
 
 import torch
 
-from ..format import blockfile, codec
+from ..format import blockfile, codec, seal
 from ..format.blockfile import HEADER_SIZE, BlockFormatError, BlockHeader
 from . import gpudecode
+from .keys import NamespaceKeys
 from .transport import host_view, preadv_all
 
 
@@ -29,13 +33,25 @@ def is_encoded(header: bytearray | bytes) -> bool:
     return len(header) > 8 and header[8] == blockfile.ENCODED_VERSION
 
 
-def decode_landed(hdr: BlockHeader, views: Sequence[memoryview], total: int) -> None:
+def _key(hdr: BlockHeader, keys: NamespaceKeys | None) -> bytes:
+    kid = seal.key_id_of(hdr)
+    assert kid is not None
+    if keys is None:
+        raise BlockFormatError("sealed", "an encrypted block, and no keys to open it")
+    return keys.get(kid)
+
+
+def decode_landed(hdr: BlockHeader, views: Sequence[memoryview], total: int,
+                  keys: NamespaceKeys | None = None) -> None:
     """Decode encoded block ``hdr`` (its header checked, its spec's) whose file was read,
     ``total`` bytes in all, header first and then into ``views`` (the payload's memory),
-    into ``views``. Raises BlockFormatError."""
+    into ``views`` (a sealed one opened with ``keys`` first). Raises BlockFormatError."""
     if total != hdr.file_size:
         raise BlockFormatError("short" if total < hdr.file_size else "length",
                                f"encoded file is {total} bytes, header says {hdr.file_size}")
+    if seal.is_sealed(hdr):
+        seal.open_landed(hdr, views, _key(hdr, keys), *_names(keys))
+        return
     stored = bytearray(hdr.stored_len)
     at = 0
     for v in views:
@@ -47,15 +63,28 @@ def decode_landed(hdr: BlockHeader, views: Sequence[memoryview], total: int) -> 
     codec.decode_payload(hdr, stored, list(views))
 
 
-def decode_fd(fd: int, hdr: BlockHeader, dests: Sequence[Any]) -> int:
+def _names(keys: NamespaceKeys | None) -> tuple[str, str]:
+    assert keys is not None
+    return keys.tenant, keys.namespace
+
+
+def decode_fd(fd: int, hdr: BlockHeader, dests: Sequence[Any],
+              keys: NamespaceKeys | None = None) -> int:
     """Read encoded block ``hdr``'s whole file from ``fd`` and decode it into ``dests``
-    (byte views, or tensors on any device): the bytes read. Raises BlockFormatError."""
+    (byte views, or tensors on any device; a sealed one opened with ``keys`` first): the
+    bytes read. Raises BlockFormatError."""
     data = bytearray(hdr.file_size)
     n = preadv_all(fd, [memoryview(data)], 0)
     if n != hdr.file_size:
         raise BlockFormatError("short", f"encoded file is {n} bytes, header says "
                                f"{hdr.file_size}")
     stored = memoryview(data)[HEADER_SIZE:HEADER_SIZE + hdr.stored_len]
+    if seal.is_sealed(hdr):
+        hdr = seal.open_in_place(hdr, stored, _key(hdr, keys), *_names(keys))
+        if hdr.encoding is None:  # sealed as is: the payload itself, checked, then copied
+            blockfile.verify_payload(hdr, stored)
+            _copy_out(stored, dests)
+            return n
     if all(isinstance(d, memoryview) for d in dests):
         codec.decode_payload(hdr, stored, list(dests))
     elif all(d.device.type == "cpu" and d.is_contiguous() for d in dests):
@@ -64,11 +93,20 @@ def decode_fd(fd: int, hdr: BlockHeader, dests: Sequence[Any]) -> int:
           and (frames := gpudecode.nvcomp_frames(dests[0].device)) is not None):
         gpudecode.decode_into(hdr, stored, dests, frames)  # the frames decoded on the GPU
     else:  # device memory: decoded on the host, then copied (one transfer a part)
-        host = codec.decode_payload(hdr, stored)
-        at = 0
-        for d in dests:
-            nb = d.numel() * d.element_size()
-            d.view(-1).view(torch.uint8).copy_(torch.frombuffer(host, dtype=torch.uint8,
-                                                                 count=nb, offset=at))
-            at += nb
+        _copy_out(codec.decode_payload(hdr, stored), dests)
     return n
+
+
+def _copy_out(host: Any, dests: Sequence[Any]) -> None:
+    """A decoded payload in host memory into ``dests`` (byte views or tensors), in order."""
+    at = 0
+    mv = memoryview(host).cast("B")
+    for d in dests:
+        if isinstance(d, memoryview):
+            d.cast("B")[:] = mv[at:at + d.nbytes]
+            at += d.nbytes
+            continue
+        nb = d.numel() * d.element_size()
+        d.view(-1).view(torch.uint8).copy_(torch.frombuffer(mv, dtype=torch.uint8,
+                                                             count=nb, offset=at))
+        at += nb

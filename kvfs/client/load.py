@@ -29,6 +29,7 @@ import torch
 from ..format import blockfile, control
 from . import devsum, encoded, leases, remote
 from .channel import ControlChannel
+from .keys import NamespaceKeys
 from .layouts import Layouts, stream_done
 from .transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
 
@@ -140,6 +141,7 @@ class Loading(Layouts):
 
     ns_dir: str
     transport: PosixTransport
+    keys: NamespaceKeys
     _full: bool
     _fingerprint: bytes
     _shape: tuple[int, ...]
@@ -406,7 +408,8 @@ class Loading(Layouts):
         out = _Outcome(read=min(total, self._file_bytes))
         try:
             if encoded.is_encoded(header):
-                encoded.decode_landed(self._verify_header(h, header), views, total)
+                encoded.decode_landed(self._verify_header(h, header), views, total,
+                                       self.keys)
             else:
                 self._verify_read(h, header, total, csum)
             out.ok = True
@@ -522,7 +525,8 @@ class Loading(Layouts):
                 return out
         try:
             if encoded.is_encoded(header):  # a lower tier's (encoded) file: decoded in place
-                encoded.decode_landed(self._verify_header(h, header), views, total)
+                encoded.decode_landed(self._verify_header(h, header), views, total,
+                                       self.keys)
             else:
                 self._verify_read(h, header, total, csum)  # raises, saying why
             out.ok = True
@@ -548,7 +552,8 @@ class Loading(Layouts):
                 size = self.transport.size(f) if n >= self._file_bytes else n
                 out.read = n
                 if encoded.is_encoded(header):  # decoded on the host, then copied
-                    out.read = encoded.decode_fd(f.fd, self._verify_header(h, header), dests)
+                    out.read = encoded.decode_fd(f.fd, self._verify_header(h, header), dests,
+                                                 self.keys)
                     out.ok = True
                     return out
                 self._verify_read(h, header, size, csum)  # all but the payload if on_device
@@ -624,7 +629,7 @@ class Loading(Layouts):
             hdr = blockfile.check_head(header, self.transport.size(f))
             self._check_spec(h, hdr)
             if hdr.encoding is not None and dest is not None:
-                out.read = encoded.decode_fd(f.fd, hdr, [dest.reshape(-1)])
+                out.read = encoded.decode_fd(f.fd, hdr, [dest.reshape(-1)], self.keys)
                 return _Opened(f, hdr, out, decoded=True)
             if hdr.encoding is not None:
                 raise blockfile.BlockFormatError("codec", "an encoded block, not decodable here")

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
+from typing import Any
 
 from ..format.config import ConfigError, parse_size
 from .settings import DEFAULTS
 
 _DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_TIER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
@@ -39,10 +41,21 @@ class Limits:
     quota: int | None = None  # bytes
     max_idle: float | None = None  # seconds since last access
     max_age: float | None = None  # seconds since written
+    #: The tiers the tenant's blocks may reach, by name ("hot", "cold", a shared tier's):
+    #: None: every tier of the mount.
+    placement: tuple[str, ...] | None = None
 
     @staticmethod
-    def parse(name: str, value: str) -> int | float | None:
-        """Parse one limit given as text ('' or 'none' clears it)."""
+    def parse(name: str, value: str) -> Any:
+        """Parse one limit given as text ('' or 'none' clears it; a placement: 'all')."""
+        if name == "placement":
+            items = tuple(dict.fromkeys(v.strip() for v in value.split(",") if v.strip()))
+            if value.strip().lower() in ("", "all", "none"):
+                return None
+            if any(not _TIER_NAME.match(v) for v in items):
+                raise ConfigError(f"placement {value!r}: tier names separated by commas "
+                                  "(hot, cold, a shared tier's name) or 'all'")
+            return items
         if value.strip().lower() in ("", "none"):
             return None
         if name == "quota":
@@ -57,6 +70,8 @@ class Limits:
 
     def render(self, name: str) -> str:
         value = getattr(self, name)
+        if name == "placement":
+            return "all" if value is None else ",".join(value)
         if value is None:
             return "none"
         return str(int(value)) if name == "quota" else f"{value:g}"

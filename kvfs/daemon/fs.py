@@ -32,6 +32,7 @@ from .adoption import Adoption
 from .audit import Audit
 from .commands import Commands
 from .door import Door
+from .governance import Governance
 from .handlers import REQUESTS, handler
 from .handout import Handout
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
@@ -83,9 +84,10 @@ class Operations(pyfuse3.Operations):
         self.reclaim = Reclaim(tree, self.adoption)
         self.adoption.after_growth = self.reclaim.wake_if_over
         self.promotion = Promotion(tree, self.adoption, self.reclaim)
+        self.governance = tree.governance = Governance(tree, self.reclaim)
         self.door = Door(tree, self.files, self.reclaim)
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
-        self.xattrs = Xattrs(tree, self.reclaim, commands)
+        self.xattrs = Xattrs(tree, self.reclaim, commands, self.governance)
         self.handout = Handout(store.root, commands.grants.take_fds, commands.grants.close)
         commands.grants.handout_on = lambda: self.handout.on
         # The same objects, by the names the handlers use.
@@ -99,7 +101,9 @@ class Operations(pyfuse3.Operations):
     def load_limits(self) -> None:
         """Read every tenant's limits from its backing directory (blocking: before serving)."""
         for t in self.index.tenants():
-            self.residency.limits[t.inode] = self.store.read_limits(t.name)
+            limits = self.residency.limits[t.inode] = self.store.read_limits(t.name)
+            self.governance.set_placement(t.name.decode(errors="surrogateescape"),
+                                          limits.placement)
 
     async def settle(self) -> None:
         await self.reclaim.settle()
@@ -113,6 +117,7 @@ class Operations(pyfuse3.Operations):
             nursery.start_soon(self.adoption.run)
             if self.tree.tiering is not None:
                 nursery.start_soon(self.tree.tiering.run)
+                nursery.start_soon(self.governance.run)
                 if any(t.hands_files for t in self.tree.tiering.tiers):
                     nursery.start_soon(self.handout.run)
 
@@ -289,6 +294,9 @@ class Operations(pyfuse3.Operations):
                                  uid=ctx.uid, gid=gid, tenant=tenant, ns=ns)
         self.tree.dir_changed(parent.inode)
         self.tree.audit_op(ctx.uid, ctx.pid, node, "mkdir", path=path)
+        if parent.inode == ROOT_INODE and self.tree.nursery is not None:  # a new tenant
+            self.tree.nursery.start_soon(self.governance.ensure,
+                                         name.decode(errors="surrogateescape"))
         self.tree.ref(node.inode)
         return self.tree.attrs(node)
 

@@ -505,6 +505,16 @@ class Index:
         ).fetchall()
         return [_node(r) for r in rows]
 
+    def tenant_files(self, tenant: int, written_before_ns: int, limit: int = 1000
+                     ) -> list[Node]:
+        """Files of a tenant (pinned or not, in any tier) written before the given time."""
+        rows = self.db.execute(
+            f"SELECT {_COLUMNS} FROM nodes WHERE tenant=? AND (mode & ?) = ? AND parent != ? "
+            "AND mtime_ns < ? LIMIT ?",
+            (tenant, 0o170000, stat.S_IFREG, ORPHAN_PARENT, written_before_ns, limit),
+        ).fetchall()
+        return [_node(r) for r in rows]
+
     def tenants(self) -> list[Node]:
         return self.children(ROOT_INODE, limit=1 << 30)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from . import scanner, watchdog
+from . import keys, scanner, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
@@ -26,7 +26,7 @@ from .metrics import Metrics
 from .notify import notify
 from .settings import DEFAULTS
 from .store import BackingStore
-from .tiers import parse_tier_url
+from .tiers import parse_shared, parse_tier_url
 from .tiers.mover import Tiering
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class MountOptions:
     writeback_cache: bool = DEFAULTS["writeback_cache"]
     keep_cache: bool = DEFAULTS["keep_cache"]
     passthrough: bool = DEFAULTS["passthrough"]
+    encrypt: bool = DEFAULTS["encrypt"]
+    key_file: str = DEFAULTS["key_file"]
+    key_command: str | None = DEFAULTS["key_command"]
+    key_ttl: float = DEFAULTS["key_ttl"]
     read_ahead_kb: int = 4096  # the mount's read-ahead window (not a setting)
 
 
@@ -163,21 +167,33 @@ def set_read_ahead(mountpoint: str, kb: int) -> bool:
         return False
 
 
-def make_tiering(opts: MountOptions) -> Tiering | None:
-    """The lower tiers, in order: the cold directory, then the shared object store."""
+def make_tiering(opts: MountOptions, state_dir: str | None = None) -> Tiering | None:
+    """The lower tiers, in order: the cold directory, then the shared ones (the object
+    stores), with the tenants' keys (``state_dir``: where the hot tier keeps its copies of
+    the wrapped keys) unless ``--no-encrypt``."""
     tiers = []
     try:
         if opts.cold:
             tiers.append(parse_tier_url(opts.cold, "cold"))
         if opts.shared:
-            tiers.append(parse_tier_url(opts.shared, "shared"))
+            tiers += parse_shared(opts.shared)
     except (ValueError, ImportError) as exc:
         raise MountError(str(exc)) from None
     if not tiers:
         return None
-    return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
-                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
-                   encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none")
+    tiering = Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
+                      fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
+                      encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none")
+    if opts.encrypt:
+        try:
+            wrapper = keys.wrapper_from(opts.key_file, opts.key_command)
+        except keys.KeyUnavailable as exc:
+            raise MountError(f"{exc} (--no-encrypt stores blocks below the hot tier "
+                             "unencrypted)") from None
+        local = os.path.join(state_dir or os.path.join(opts.backing, ".kvfs"), "keys")
+        tiering.keyring = keys.Keyring(wrapper, local, tiers, ttl=opts.key_ttl,
+                                       reach=tiering.reach)
+    return tiering
 
 
 def mount_options(debug: bool) -> set[str]:
@@ -205,7 +221,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      scan_interval=opts.scan_interval, policy_entries=opts.policy_entries,
                      hot_codec=opts.hot_codec)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
-    tiering = make_tiering(opts)
+    tiering = make_tiering(opts, os.fsdecode(store.state_dir))
     audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
                      tiering=tiering, audit=audit, writeback_cache=opts.writeback_cache,

@@ -117,16 +117,17 @@ class Reclaim:
         for parent in {n.parent for n in nodes} & self.adoption.unlisted:
             await self.adoption.ensure_listed(parent)  # removing files is a change
         tree.evicting.update(n.inode for n in nodes)
-        demoted: set[int] = set()
+        demoted: dict[int, int] = {}  # inode -> the tier it went to
         try:
             paths = [tree.path(n) for n in nodes]
             tiering = tree.tiering
             if reason == "evicted" and tiering is not None and tiering.tiers:
                 # Eviction demotes blocks to the next tier down instead of deleting them.
                 async def demote(node: Node, rel: bytes) -> None:
-                    if await tiering.demote(tree.tier_key(rel), tree.block_source(rel),
-                                            node.size):
-                        demoted.add(node.inode)
+                    tier = await tiering.demote(tree.tier_key(rel), tree.block_source(rel),
+                                                node.size)
+                    if tier:
+                        demoted[node.inode] = tier
 
                 async with trio.open_nursery() as nursery:
                     for node, rel in zip(nodes, paths, strict=True):
@@ -147,7 +148,7 @@ class Reclaim:
             elif node.inode in demoted:
                 c.demotions += 1
                 tree.unaccount(current)  # out of the hot tier; the name stays
-                self.index.update(current.inode, tier=1)
+                self.index.update(current.inode, tier=demoted[node.inode])
                 continue
             else:
                 c.evictions += 1

@@ -47,6 +47,9 @@ class Setting:
     positional: bool = False
     #: A field of MountOptions (False: the command line's alone, e.g. the log file).
     daemon: bool = True
+    #: An option that may be given more than once (a string: the values joined by spaces;
+    #: in TOML a string or a list of strings).
+    repeat: bool = False
 
     @property
     def key(self) -> str:
@@ -91,6 +94,8 @@ class Setting:
 
     def from_toml(self, value: Any) -> Any:
         """A config file's value; ValueError with the reason when it is bad."""
+        if self.repeat and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            value = " ".join(value)
         if self.kind == "bool" or isinstance(value, bool):
             ok = isinstance(value, bool) and self.kind == "bool"
         else:
@@ -157,7 +162,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("cold", "str", None, "a directory tier below hot: `dir:///hdd/kvfs` (HDD, or "
             "NFS/CephFS/Lustre)"),
     Setting("shared", "str", None, "the tier other hosts read: "
-            "`s3://bucket/prefix?endpoint=URL&region=R` (or a `dir://` on a shared filesystem)"),
+            "`s3://bucket/prefix?endpoint=URL&region=R` (or a `dir://` on a shared filesystem); "
+            "named ones, which tenants' placements name, as `NAME=URL` (given more than once, "
+            "or separated by spaces: `eu=s3://kv-eu us=s3://kv-us`)", repeat=True),
     Setting("write_through", "bool", True, "publish each new block to the shared tier at once "
             "(asynchronously), not only on eviction"),
     Setting("fetch_timeout", "float", None, "seconds a lower-tier fetch may take before it is "
@@ -168,6 +175,18 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("hot_codec", "str", "none", "how clients store the blocks they save in the hot "
             "tier: `none` (as saved: the fastest loads) or `planes` (lossless, about 1.4x more "
             "16-bit KV in the same bytes; loads decode it)", choices=("planes", "none")),
+    Setting("encrypt", "bool", True, "seal every block that leaves the hot tier (cold and "
+            "shared) with AES-256-GCM under its tenant's key (docs/architecture.md, \"Keys and "
+            "placement\")"),
+    Setting("key_file", "str", "/etc/kvfs/kek", "the key-encryption key the tenants' data "
+            "keys are wrapped under (made 0600 where absent; every host that shares a tier "
+            "needs the same one)"),
+    Setting("key_command", "str", None, "a key provider instead of the key file: "
+            "`CMD wrap|unwrap TENANT ID` (key on stdin, result on stdout), `CMD forget "
+            "TENANT`"),
+    Setting("key_ttl", "float", 60.0, "seconds a host keeps an unwrapped key, and between its "
+            "rereads of the tiers' keys: the bound on a rotation's, retirement's or "
+            "forgetting's reaching every host", check=_positive),
     Setting("tier_cooldown", "float", 10.0, "seconds a failing tier is left alone (circuit "
             "open)", check=_not_negative),
     Setting("metrics", "str", None, "`HOST:PORT` of the Prometheus endpoint"),
@@ -223,6 +242,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                 action="store_false" if s.default else "store_true",
                                 help=f"{text} (default: on; this option turns it off)"
                                 if s.default else text)
+        elif s.repeat:
+            parser.add_argument(s.flag, dest=s.name, type=_option_type(s), action="append",
+                                metavar=s.name.upper(),
+                                help=f"{text} (default: {s.shown_default().replace('`', '')})")
         else:
             parser.add_argument(s.flag, dest=s.name, type=_option_type(s), choices=s.choices,
                                 metavar=None if s.choices else s.name.upper(),
@@ -245,6 +268,8 @@ def resolve(args: argparse.Namespace, conf: Mapping[str, Any]) -> dict[str, Any]
     values = {}
     for s in SETTINGS:
         given = getattr(args, s.name, None)
+        if s.repeat and isinstance(given, list):
+            given = " ".join(given)
         values[s.name] = given if given is not None else conf.get(s.name, s.default)
     return values
 

@@ -42,6 +42,11 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
                    "entries": tree.residency.entries()},
         "tenants": _below(tree, stats.render(names, tenants)),
         "tiers": _tiers(tree),
+        # Each tenant's placement (the tiers its blocks may reach) and keys
+        # (kvfs.daemon.governance).
+        "governance": (tree.governance.snapshot(
+            None if tenants is None else set(tree.names_of(tenants).values()))
+            if tree.governance is not None else {}),
         # Whether the kernel reads and writes open files itself (kvfs.daemon.passthrough), and why
         # not.
         "passthrough": tree.passthrough.snapshot(),

@@ -217,6 +217,8 @@ class Tree:
         self._dir_paths: dict[int, bytes] = {ROOT_INODE: b""}
         self.serving = False  # the kernel connection is up (set once the session runs)
         self.nursery: trio.Nursery | None = None
+        #: Placements, keys, forgetting (kvfs.daemon.governance; set by Operations).
+        self.governance: Any = None
         self.residency = Residency(
             index, self.stats, Budget(info.capacity, info.high_watermark, info.low_watermark),
             policy=info.policy, entries_limit=info.policy_entries,

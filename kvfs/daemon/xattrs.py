@@ -18,6 +18,7 @@ from pyfuse3 import FUSEError
 from ..format import control
 from .capacity import Limits
 from .commands import Commands
+from .governance import Governance
 from .index import FIRST_REAL_INODE, ROOT_INODE, Node
 from .reclaim import Reclaim
 from .tree import Tree
@@ -29,8 +30,10 @@ LIMIT_XATTRS = {control.limit_name(n): n for n in Limits.names()}
 
 
 class Xattrs:
-    def __init__(self, tree: Tree, reclaim: Reclaim, commands: Commands) -> None:
+    def __init__(self, tree: Tree, reclaim: Reclaim, commands: Commands,
+                 governance: Governance) -> None:
         self.tree = tree
+        self.governance = governance
         self.index = tree.index
         self.residency = tree.residency
         self.reclaim = reclaim
@@ -74,6 +77,12 @@ class Xattrs:
         node = self.index.get(inode)
         if name.startswith(control.GRANT_REPLY) and ctx is not None and node.is_dir:
             return self.commands.grants.reply(node, name, ctx.uid)
+        if name == control.KEYS and node.is_dir:
+            return await self.governance.client_keys(node)
+        if name == control.FORGET and node.inode == node.tenant:
+            return self.governance.report(node)
+        if name == control.KEY_STATE and node.inode == node.tenant:
+            return self.governance.key_state(node)
         if name.startswith(control.XATTR_PREFIX):
             value = self.values(node).get(name)
             if value is None:
@@ -99,6 +108,11 @@ class Xattrs:
         tree = self.tree
         if name in control.COMMANDS:
             await self.commands.run(node, name, value, ctx)
+        elif name in (control.FORGET, control.ROTATE_KEY, control.RETIRE_KEY):
+            await self.governance.key_command(node, name, value, ctx)
+            if name != control.FORGET:
+                tree.audit_op(ctx.uid, ctx.pid, node, name.decode()[len("user.kvfs."):],
+                              value=value.decode(errors="replace"))
         elif name == control.PIN:
             pinned = value.strip() not in (b"0", b"", b"false", b"no")
             await self.pin(node, pinned)
@@ -145,6 +159,11 @@ class Xattrs:
             raise FUSEError(errno.EPERM)
         try:
             parsed = Limits.parse(name, value.decode())
+            if name == "placement" and parsed is not None:
+                known = self.governance.tier_names()
+                if unknown := set(parsed) - known:
+                    raise ValueError(f"no tier {', '.join(sorted(unknown))} on this mount "
+                                     f"(its tiers: {', '.join(sorted(known))})")
         except (ValueError, UnicodeDecodeError) as exc:
             log.warning("refused %s=%r on tenant %s: %s", name, value, node.name, exc)
             raise FUSEError(errno.EINVAL) from None
@@ -152,6 +171,8 @@ class Xattrs:
         text = None if parsed is None else Limits(**{name: parsed}).render(name)
         await self.tree.io(self.tree.store.write_limit, node.name, name, text)
         setattr(limits, name, parsed)
+        if name == "placement":
+            self.governance.set_placement(node.name.decode(errors="surrogateescape"), parsed)
         log.info("tenant %s: %s = %s", node.name.decode(errors="replace"), name, text or "none")
         if name == "quota" and limits.quota is not None:
             over = max(0, self.tree.stats.tenant_bytes(node.inode) - limits.quota)

@@ -42,7 +42,10 @@ BLOCK_VERSIONS = (FORMAT_VERSION, SUMS_VERSION, ENCODED_VERSION)
 #: namespace whose model fingerprint names it).
 CODEC_PLANES = 1
 CODEC_INT8 = 2
-CODECS = {CODEC_PLANES: "planes-zstd", CODEC_INT8: "int8"}
+#: 0: stored as is; only in a sealed block (encrypted, kvfs.format.seal), which is version 3
+#: whether or not a codec shrank it.
+CODEC_NONE = 0
+CODECS = {CODEC_NONE: "none", CODEC_PLANES: "planes-zstd", CODEC_INT8: "int8"}
 #: The dtypes the int8 codec takes.
 INT8_DTYPES = ("bfloat16", "float16", "float32")
 #: The largest chunk (elements per zstd frame) a version 3 header may name.
@@ -82,6 +85,12 @@ _ENC = struct.Struct("<HHIIIQQ")
 _ENC_OFF = _SUMS_END
 _ENC_END = _ENC_OFF + _ENC.size
 _FLAG_SUMS = 1
+_FLAG_SEALED = 2
+# version 3, sealed (flag 2): key id, nonce, tag of the AES-256-GCM encryption of the stored
+# bytes (kvfs.format.seal).
+_SEAL = struct.Struct("<I12s16s")
+_SEAL_OFF = _ENC_END
+_SEAL_END = _SEAL_OFF + _SEAL.size
 _U32_MASK = 2**32 - 1
 _U32_MAX = 2**32 - 1
 _U64_MAX = 2**64 - 1
@@ -91,12 +100,24 @@ class BlockFormatError(ValueError):
     """A block file (or the data meant for one) is malformed.
 
     ``reason`` is one of "short", "magic", "version", "header", "header-checksum", "shape",
-    "length", "checksum", "padding" (and "mismatch" for :class:`BlockMismatchError`).
+    "length", "checksum", "padding", "codec", "sealed" (an encrypted block read without its
+    key), "auth" (one whose key does not open it: kvfs.format.seal) (and "mismatch" for
+    :class:`BlockMismatchError`).
     """
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(f"{reason}: {message}")
         self.reason = reason
+
+
+@dataclass(frozen=True)
+class Seal:
+    """A sealed block's encryption (docs/format.md, "Sealed blocks"): the tenant key it is
+    under, and the AES-256-GCM nonce and tag of its stored bytes."""
+
+    key_id: int
+    nonce: bytes  # 12 bytes
+    tag: bytes  # 16 bytes
 
 
 @dataclass(frozen=True)
@@ -109,6 +130,8 @@ class Encoding:
     stored_len: int  # bytes stored after the header (before the zero padding)
     stored_checksum: int  # xxh3_64 of those bytes
     tiles: int = 0  # int8: how groups lie (0: runs of chunk; else int8_tiles()); planes: 0
+    #: Encrypted (the stored bytes are ciphertext; stored_checksum is theirs): None: plain.
+    seal: Seal | None = None
 
 
 class BlockMismatchError(BlockFormatError):
@@ -248,6 +271,18 @@ def _validate_encoding(e: Encoding, h: BlockHeader) -> None:
     bytes no longer than the payload (a block that does not shrink is stored as is)."""
     if e.codec not in CODECS:
         raise BlockFormatError("header", f"unknown codec {e.codec}")
+    if e.seal is not None and (
+            not 0 <= e.seal.key_id <= _U32_MAX or not isinstance(e.seal.nonce, bytes)
+            or len(e.seal.nonce) != 12 or not isinstance(e.seal.tag, bytes)
+            or len(e.seal.tag) != 16):
+        raise BlockFormatError("header", f"bad seal {e.seal!r}")
+    if e.codec == CODEC_NONE:
+        if e.seal is None:
+            raise BlockFormatError("header", "codec none in a block that is not sealed")
+        if e.stored_len != h.payload_len or e.chunk != 1 or e.tiles:
+            raise BlockFormatError("header", f"codec none with stored length {e.stored_len}, "
+                                   f"chunk {e.chunk}, tiles {e.tiles} for a "
+                                   f"{h.payload_len}-byte payload")
     if e.element_size != DTYPE_SIZES[h.dtype]:
         raise BlockFormatError("header", f"element size {e.element_size} for {h.dtype}")
     if not 1 <= e.chunk <= MAX_CHUNK:
@@ -318,8 +353,11 @@ def encode_header(h: BlockHeader) -> bytes:
         _SUMS.pack_into(buf, _SUMS_OFF, *h.sums)
     e = h.encoding
     if e is not None:
-        _ENC.pack_into(buf, _ENC_OFF, e.codec, _FLAG_SUMS if h.sums is not None else 0,
-                       e.element_size, e.chunk, e.tiles, e.stored_len, e.stored_checksum)
+        flags = (_FLAG_SUMS if h.sums is not None else 0) | (_FLAG_SEALED if e.seal else 0)
+        _ENC.pack_into(buf, _ENC_OFF, e.codec, flags, e.element_size, e.chunk, e.tiles,
+                       e.stored_len, e.stored_checksum)
+        if e.seal is not None:
+            _SEAL.pack_into(buf, _SEAL_OFF, e.seal.key_id, e.seal.nonce, e.seal.tag)
     struct.pack_into("<Q", buf, _HCSUM_OFF, xxhash.xxh3_64_intdigest(bytes(buf)))
     return bytes(buf)
 
@@ -367,14 +405,18 @@ def decode_header(buf: bytes | bytearray | memoryview) -> BlockHeader:
         reserved = _SUMS_END
     elif version == ENCODED_VERSION:
         codec, flags, k, chunk, tiles, slen, scsum = _ENC.unpack_from(mv, _ENC_OFF)
-        if flags & ~_FLAG_SUMS:
+        if flags & ~(_FLAG_SUMS | _FLAG_SEALED):
             raise BlockFormatError("header", f"encoding flags {flags:#x}")
         if flags & _FLAG_SUMS:
             sums = _SUMS.unpack_from(mv, _SUMS_OFF)
         elif mv[_SUMS_OFF:_SUMS_END].tobytes() != bytes(_SUMS.size):
             raise BlockFormatError("header", "payload sums set but not flagged")
-        encoding = Encoding(codec, k, chunk, slen, scsum, tiles)
+        seal = None
         reserved = _ENC_END
+        if flags & _FLAG_SEALED:
+            seal = Seal(*_SEAL.unpack_from(mv, _SEAL_OFF))
+            reserved = _SEAL_END
+        encoding = Encoding(codec, k, chunk, slen, scsum, tiles, seal)
     if mv[reserved:HEADER_SIZE].tobytes() != bytes(HEADER_SIZE - reserved):
         raise BlockFormatError("header", f"reserved bytes {reserved}..{HEADER_SIZE} not zero")
     if sums is not None and not all(x < SUMS_PRIME for x in sums[1:]):
@@ -556,6 +598,9 @@ def decode(data: bytes | bytearray | memoryview, *, sums: bool = False
     payload = mv[HEADER_SIZE:end]
     if h.encoding is not None:
         from . import codec  # the codec needs this module's types: imported when used
+        if h.encoding.seal is not None:
+            raise BlockFormatError("sealed", "an encrypted block: it is read with its "
+                                   "tenant's key (kvfs.format.seal.open_file)")
         verify_padding(h, mv[end:])
         payload = memoryview(codec.decode_payload(h, payload))
     verify_payload(h, payload)

@@ -161,6 +161,8 @@ def decode_payload(h: BlockHeader, stored: Any, dest: Any = None) -> Any:
     BlockFormatError ("checksum", "length", "codec"); ``dest`` is then not to be used."""
     e = h.encoding
     assert e is not None
+    if e.seal is not None:
+        raise BlockFormatError("sealed", "an encrypted block: opened first (kvfs.format.seal)")
     blockfile.verify_stored(h, stored)
     out = bytearray(h.payload_len) if dest is None else dest
     if e.codec == blockfile.CODEC_INT8:

@@ -70,6 +70,43 @@ USED = b"user.kvfs.used"  #: on a tenant directory: bytes it holds
 # Settings (setxattr / getxattr / removexattr).
 PIN = b"user.kvfs.pin"  #: on a file or directory: exempt from eviction and retention
 
+# Tenant keys (kvfs.daemon.keys).
+#: getxattr on a model namespace directory, by a uid that may use it: its namespace keys
+#: (:func:`encode_keys`), which open the sealed blocks it is granted from the lower tiers.
+KEYS = b"user.kvfs.keys"
+#: setxattr on a tenant directory, by root: "1" crypto-shreds the tenant (its keys destroyed
+#: in every tier, then its blocks deleted); getxattr: the last forgetting's report (JSON).
+FORGET = b"user.kvfs.forget"
+#: setxattr on a tenant directory, by root: "1" makes a new key (new blocks are sealed with it).
+ROTATE_KEY = b"user.kvfs.rotate_key"
+#: setxattr on a tenant directory, by root: a key id (hex): it opens nothing any more.
+RETIRE_KEY = b"user.kvfs.retire_key"
+#: getxattr on a tenant directory: its keys (JSON: live, retired, forgotten).
+KEY_STATE = b"user.kvfs.key_state"
+_KEYS = struct.Struct("<4sII")
+_KEYS_MAGIC = b"KVK1"
+
+
+def encode_keys(ttl_ms: int, keys: list[tuple[int, bytes]]) -> bytes:
+    """The answer to :data:`KEYS`: how long it may be kept, then (key id, 32-byte key) each,
+    newest first."""
+    return _KEYS.pack(_KEYS_MAGIC, ttl_ms, len(keys)) + b"".join(
+        struct.pack("<I", i) + k for i, k in keys)
+
+
+def decode_keys(data: bytes) -> tuple[int, list[tuple[int, bytes]]]:
+    """(ttl in ms, [(key id, key)]) from a :data:`KEYS` answer; ValueError if malformed."""
+    if len(data) < _KEYS.size:
+        raise ValueError("short keys answer")
+    magic, ttl, n = _KEYS.unpack_from(data)
+    if magic != _KEYS_MAGIC or len(data) != _KEYS.size + 36 * n:
+        raise ValueError("malformed keys answer")
+    out, at = [], _KEYS.size
+    for _ in range(n):
+        out.append((struct.unpack_from("<I", data, at)[0], bytes(data[at + 4:at + 36])))
+        at += 36
+    return ttl, out
+
 
 def limit_name(key: str) -> bytes:
     """The attribute of one per-directory limit (a `kvfs.daemon.capacity.Limits` field)."""

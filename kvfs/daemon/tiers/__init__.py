@@ -24,7 +24,7 @@ from .base import TMP_PREFIX, Tier, TierError, check_key
 from .breaker import Breaker, fetch_deadline
 from .dir import DirTier
 from .s3 import S3Tier
-from .url import parse_tier_url
+from .url import parse_shared, parse_tier_url
 
 __all__ = [
     "TMP_PREFIX",
@@ -35,5 +35,6 @@ __all__ = [
     "TierError",
     "check_key",
     "fetch_deadline",
+    "parse_shared",
     "parse_tier_url",
 ]

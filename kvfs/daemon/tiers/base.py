@@ -67,6 +67,8 @@ class Tier(ABC):
     presigns = False
     #: Whether `open_block` gives descriptors (the daemon may hand a client the file).
     hands_files = False
+    #: Whether other hosts read this tier (a `--shared` one): new blocks are published to it.
+    shared = False
 
     @abstractmethod
     def put(self, key: str, src: str | bytes) -> bool:

@@ -39,7 +39,8 @@ from typing import Any, Protocol
 
 import trio
 
-from ...format import blockfile, codec, hashing
+from ...format import blockfile, codec, hashing, seal
+from ..keys import Keyring, KeyUnavailable
 from .base import Tier, TierError
 from .breaker import Breaker, fetch_deadline
 
@@ -71,6 +72,8 @@ class TierCounters:
     put_raw_bytes: int = 0  # bytes of the blocks put here (demoted, uploaded), as saved
     put_stored_bytes: int = 0  # what they took here (encoded where that paid)
     grants: int = 0  # blocks a client was given a URL to read from this tier itself
+    key_errors: int = 0  # blocks not put here or not read from here: their key unavailable
+    refused_placements: int = 0  # blocks not put here: their tenant may not reach this tier
     latency: list[int] = field(default_factory=lambda: [0] * len(LATENCY_BUCKETS))
 
     def observe(self, seconds: float) -> None:
@@ -142,10 +145,16 @@ class Destination(Protocol):
     def place(self, tmp: str) -> None: ...
 
 
-def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, int]:
-    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays)
-    and put it: (written, raw bytes, stored bytes)."""
-    if callable(src) or encode:
+#: Seals a block file for a tier key (kvfs.format.seal), encoding it first where asked.
+Sealer = Callable[[str, bytes, bool], bytes]
+
+
+def _put(tier: Tier, key: str, src: Source, encode: bool,
+         sealer: Sealer | None = None) -> tuple[bool, int, int]:
+    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays),
+    seal it (``sealer``: encryption at rest) and put it: (written, raw bytes, stored bytes).
+    A block that cannot be sealed (KeyUnavailable) is not put at all."""
+    if callable(src) or encode or sealer is not None:
         try:
             if callable(src):
                 src = src()
@@ -153,7 +162,9 @@ def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, in
                 with open(src, "rb") as f:
                     src = f.read()
             raw = len(src)
-            if encode:
+            if sealer is not None:
+                src = sealer(key, src, encode)
+            elif encode:
                 src = codec.encode_file(src) or src
         except FileNotFoundError:
             raise  # evicted or removed meanwhile
@@ -165,18 +176,33 @@ def _put(tier: Tier, key: str, src: Source, encode: bool) -> tuple[bool, int, in
 
 
 def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
-            decode: bool = True) -> Fetched:
-    """Thread: check a fetched temporary, ready to be renamed into its hot path; an encoded
-    block is decoded into it where ``decode`` (the hot tier holds blocks as saved: a mount
-    whose clients save them encoded keeps them so), never a lossy one (it was saved so)."""
+            decode: bool = True, keyring: Keyring | None = None) -> Fetched:
+    """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
+    block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
+    an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
+    a mount whose clients save them encoded keeps them so), never a lossy one (it was saved
+    so). Raises BlockFormatError, KeyUnavailable."""
     with open(tmp, "rb") as f:
         data = f.read()
+    moved = len(data)
+    rewrite = False
+    head = blockfile.decode_header(data)
+    if seal.is_sealed(head):
+        if keyring is None:
+            raise blockfile.BlockFormatError("sealed", "an encrypted block, and this mount "
+                                             "has no keys (--no-encrypt)")
+        tenant, ns = key.split("/", 2)[:2]
+        kid = seal.key_id_of(head)
+        assert kid is not None
+        data = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
+        rewrite = True
     hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
     blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
-    moved = len(data)
     if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
         data = codec.raw_file(hdr, payload)
         hdr = replace(hdr, encoding=None)
+        rewrite = True
+    if rewrite:
         with open(tmp, "r+b") as f:
             f.write(data)
             f.truncate()
@@ -192,8 +218,16 @@ class Tiering:
     def __init__(self, tiers: list[Tier], limiter: trio.CapacityLimiter, *,
                  write_through: bool = True, fetch_timeout: float | None = None,
                  breaker_threshold: int = 3, breaker_cooldown: float = 10.0,
-                 encode: bool = True, hot_encoded: bool = False) -> None:
+                 encode: bool = True, hot_encoded: bool = False,
+                 keyring: Keyring | None = None,
+                 placement: Callable[[str], frozenset[str] | None] | None = None) -> None:
         self.tiers = tiers
+        #: The tenants' keys: blocks are sealed before they are put below (None: plaintext).
+        self.keyring = keyring
+        #: A tenant's placement: the names of the tiers its blocks may reach (None: all).
+        self.placement = placement or (lambda tenant: None)
+        #: Told (tenant, tier name) of each block not put in a tier outside its placement.
+        self.on_refused: Callable[[str, str], None] = lambda tenant, tier: None
         #: Clients save blocks encoded in the hot tier: fetched ones are kept encoded too.
         self.hot_encoded = hot_encoded
         #: Blocks put below are encoded where that pays (kvfs.format.codec; and it is built).
@@ -221,7 +255,30 @@ class Tiering:
     @property
     def shared(self) -> list[int]:
         """Indexes (0-based) of the tiers that other hosts read: write-through targets."""
-        return [i for i, t in enumerate(self.tiers) if t.name == "shared"]
+        return [i for i, t in enumerate(self.tiers) if t.shared]
+
+    def allowed(self, i: int, key: str) -> bool:
+        """Whether tier ``i`` is in the placement of the tenant of tier key (or tenant) ``key``."""
+        names = self.placement(key.split("/", 1)[0])
+        return names is None or self.tiers[i].name in names
+
+    def reach(self, tenant: str) -> list[int]:
+        """The tiers ``tenant``'s blocks may reach."""
+        return [i for i in range(len(self.tiers)) if self.allowed(i, tenant)]
+
+    def _sealer(self) -> Sealer | None:
+        keyring = self.keyring
+        if keyring is None:
+            return None
+
+        def sealer(key: str, data: bytes, encode: bool) -> bytes:
+            tenant, ns = key.split("/", 2)[:2]
+            if seal.is_sealed(blockfile.decode_header(data)):
+                return data
+            key_id, ns_key = keyring.sealing_key(tenant, ns)
+            return seal.seal_file(data, ns_key, key_id, tenant, ns, encode=encode)
+
+        return sealer
 
     async def run(self) -> None:
         """The uploader tasks; runs for the mount's lifetime."""
@@ -283,6 +340,8 @@ class Tiering:
             name, temporary, put = final.name, final.temporary, final.place
         for i, tier in enumerate(self.tiers):
             c, breaker = self.counters[i], self.breakers[i]
+            if not self.allowed(i, key):
+                continue
             opens = breaker.opens
             if not breaker.allow():
                 c.skipped += 1
@@ -295,7 +354,8 @@ class Tiering:
                 try:
                     if not tier.get(key, tmp):
                         return None
-                    fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded)
+                    fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded,
+                                      keyring=self.keyring)
                     return handoff.place(tmp, put, fetched)
                 finally:
                     if os.path.exists(tmp):
@@ -317,6 +377,12 @@ class Tiering:
                 c.bad_blocks += 1
                 breaker.success()
                 log.warning("fetch %s from %s tier: bad block, not served: %s", key, tier.name,
+                            exc)
+                continue
+            except KeyUnavailable as exc:
+                c.key_errors += 1
+                breaker.success()
+                log.warning("fetch %s from %s tier: not opened, a miss: %s", key, tier.name,
                             exc)
                 continue
             except OSError as exc:
@@ -351,7 +417,7 @@ class Tiering:
         will tell); while the circuit is half-open the HEAD is its probe. `start`: the
         tiers before it are not asked (the caller did). Moves no block."""
         for i, tier in enumerate(self.tiers):
-            if i < start:
+            if i < start or not self.allowed(i, key):
                 continue
             c, breaker = self.counters[i], self.breakers[i]
             if not ask_presigned and tier.presigns and breaker.state == "closed":
@@ -389,6 +455,8 @@ class Tiering:
         None if the tier could not answer. The caller closes them; a call abandoned at its
         deadline closes its own."""
         c, breaker, tier = self.counters[i], self.breakers[i], self.tiers[i]
+        if keys and not self.allowed(i, keys[0]):  # one grant: one tenant's keys
+            return None
         lock, box = threading.Lock(), {"abandoned": False}
 
         def opener() -> list[tuple[int, int] | None]:
@@ -438,20 +506,31 @@ class Tiering:
         return got
 
     async def demote(self, key: str, path: Source, size: int) -> int:
-        """Put a block being evicted into the first lower tier: its 1-based index, 0 if it
-        could not be placed there (then the block is simply deleted)."""
-        if not self.tiers:
+        """Put a block being evicted into the first lower tier its tenant may reach: its
+        1-based index, 0 if it could not be placed there (then the block is simply
+        deleted; never put unsealed where its key is unavailable)."""
+        reach = self.reach(key.split("/", 1)[0])
+        if not reach:
+            if self.tiers:
+                self.counters[0].refused_placements += 1
+                self.on_refused(key.split("/", 1)[0], self.tiers[0].name)
             return 0
-        c, breaker = self.counters[0], self.breakers[0]
+        i = reach[0]
+        c, breaker = self.counters[i], self.breakers[i]
         if not breaker.allow():
             c.demotion_failures += 1
             return 0
         try:
-            done, put = await self._call(0, _put, self.tiers[0], key, path, self.encode,
-                                         timeout=self.deadline(size) * 4)
+            done, put = await self._call(i, _put, self.tiers[i], key, path, self.encode,
+                                         self._sealer(), timeout=self.deadline(size) * 4)
         except SourceError as exc:
             c.demotion_failures += 1
             log.warning("demote %s: the hot copy is not a block: %s", key, exc)
+            return 0
+        except KeyUnavailable as exc:
+            c.demotion_failures += 1
+            c.key_errors += 1
+            log.error("demote %s: not sealed, so not demoted (deleted): %s", key, exc)
             return 0
         except (TierError, OSError) as exc:
             breaker.failure()
@@ -465,12 +544,16 @@ class Tiering:
         breaker.success()
         c.demotions += 1
         self._count_put(c, key, put)
-        return 1
+        return i + 1
 
     def enqueue_upload(self, key: str, path: Source) -> None:
         if not self.write_through:
             return
         for i in self.shared:
+            if not self.allowed(i, key):
+                self.counters[i].refused_placements += 1
+                self.on_refused(key.split("/", 1)[0], self.tiers[i].name)
+                continue
             try:
                 self._send.send_nowait((key, path, i))
             except trio.WouldBlock:
@@ -485,9 +568,15 @@ class Tiering:
                     continue
                 try:
                     done, put = await self._call(i, _put, self.tiers[i], key, path,
-                                                 self.encode, timeout=self.deadline(None) * 4)
+                                                 self.encode, self._sealer(),
+                                                 timeout=self.deadline(None) * 4)
                 except FileNotFoundError:
                     break  # evicted or removed before it was uploaded: nothing to publish
+                except KeyUnavailable as exc:
+                    log.error("upload %s: not sealed, so not uploaded: %s", key, exc)
+                    c.key_errors += 1
+                    c.upload_failures += 1
+                    break
                 except SourceError as exc:
                     log.warning("upload %s: the hot copy is not a block: %s", key, exc)
                     c.upload_failures += 1
@@ -530,8 +619,9 @@ class Tiering:
         out = []
         for tier, c, b in zip(self.tiers, self.counters, self.breakers, strict=True):
             d = {k: v for k, v in c.__dict__.items() if k != "latency"}
-            d.update(name=tier.name, url=tier.url, circuit=b.state,
+            d.update(name=tier.name, url=tier.url, circuit=b.state, shared=tier.shared,
                      codec="planes" if self.encode else "none",
+                     sealed=self.keyring is not None,
                      ratio=codec.ratio(c.put_raw_bytes, c.put_stored_bytes),
                      fetch_latency={("+Inf" if math.isinf(le) else str(le)): n
                                     for le, n in zip(LATENCY_BUCKETS, c.latency, strict=True)})

@@ -13,6 +13,7 @@ from .base import Tier
 from .dir import DirTier
 from .s3 import S3Tier
 
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _S3_FLOATS = ("connect_timeout", "read_timeout")
 
@@ -86,3 +87,25 @@ def parse_tier_url(url: str, name: str) -> Tier:
     raise bad("unsupported scheme (use dir:///path or s3://bucket/prefix)")
 
 
+
+
+def parse_shared(text: str) -> list[Tier]:
+    """The mount's shared tiers from ``--shared`` (given once or more; in a config file a
+    string or a list): each ``URL`` (the tier named ``shared``) or ``NAME=URL`` (named
+    tiers, e.g. ``eu=s3://kv-eu/cache us=s3://kv-us/cache``, which tenants' placements
+    name), separated by spaces. Raises ConfigError."""
+    tiers: list[Tier] = []
+    for item in text.split():
+        name, url = "shared", item
+        head = item.split("://", 1)[0]
+        if "=" in head:
+            name, url = item.split("=", 1)
+            if not _NAME_RE.match(name) or name in ("hot", "cold", "all"):
+                raise ConfigError(f"shared tier name {name!r}: 1-32 of a-z, 0-9, '_', '-' "
+                                  "starting with a letter, not hot, cold or all")
+        if any(t.name == name for t in tiers):
+            raise ConfigError(f"two shared tiers named {name!r} (name them: NAME=URL)")
+        tier = parse_tier_url(url, name)
+        tier.shared = True
+        tiers.append(tier)
+    return tiers

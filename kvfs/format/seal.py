@@ -1,0 +1,207 @@
+"""Sealed blocks: a block's stored bytes encrypted under its tenant's key (docs/format.md,
+"Sealed blocks").
+
+A sealed block is a version 3 file whose encoding flags say *sealed*: its stored bytes (the
+payload as is, codec ``none``, or a codec's output: compress, then encrypt) are AES-256-GCM
+ciphertext, the same length as the plaintext, so a sealed file is never longer than the
+block it seals; the header keeps the nonce and the tag beside the tenant key's id, and the
+stored checksum is the ciphertext's (a torn object is found before any decryption).
+
+Keys (the daemon holds the tenants' data keys, kvfs.daemon.keys):
+- a *namespace key*: HMAC-SHA256 of the tenant's data key over the tenant and the namespace
+  (:func:`namespace_key`); a client is given its own namespace's, never the data key;
+- a *block key*: HMAC-SHA256 of the namespace key over the block hash (:func:`block_key`),
+  the AES-256-GCM key of that one block.
+The associated data binds the tenant, the namespace and the header's fields (block hash,
+parent, fingerprint, payload checksum, shape, codec: everything but the checksums of the
+ciphertext and of the header, and the tag): a block copied to another name, namespace or
+tenant fails authentication, a miss that is never served.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import xxhash
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from . import blockfile, codec
+from .blockfile import HEADER_SIZE, BlockFormatError, BlockHeader, Encoding, Seal
+
+KEY_BYTES = 32
+NONCE_BYTES = 12
+TAG_BYTES = 16
+#: Bytes decrypted per call when opening in place (a piece stays in the core's cache).
+PIECE = 1 << 20
+_AAD = b"kvfs-seal-1\0"
+_NS_INFO = b"kvfs-namespace-key-1\0"
+_BLOCK_INFO = b"kvfs-block-key-1\0"
+
+
+def namespace_key(data_key: bytes, tenant: str, namespace: str) -> bytes:
+    """The key of one tenant's namespace, from the tenant's data key."""
+    return hmac.digest(data_key, b"".join((_NS_INFO, tenant.encode(), b"\0",
+                                           namespace.encode())), "sha256")
+
+
+def block_key(ns_key: bytes, block_hash: bytes) -> bytes:
+    """The AES-256-GCM key of one block, from its namespace's key."""
+    return hmac.digest(ns_key, _BLOCK_INFO + bytes(block_hash), "sha256")
+
+
+def associated_data(head: bytes, tenant: str, namespace: str) -> bytes:
+    """What a sealed block's tag binds besides its ciphertext: the tenant, the namespace and
+    the header ``head`` (its 4096 bytes) but for its header checksum (168..176), its stored
+    checksum (216..224) and its tag (240..256)."""
+    return b"".join((_AAD, tenant.encode(), b"\0", namespace.encode(), b"\0", head[:168],
+                     head[176:216], head[224:240]))
+
+
+def is_sealed(h: BlockHeader) -> bool:
+    return h.encoding is not None and h.encoding.seal is not None
+
+
+def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: str,
+               namespace: str) -> tuple[BlockHeader, memoryview]:
+    """Seal block ``h`` whose stored bytes are ``stored`` (the payload of a raw block, or a
+    codec's stored bytes of an encoded one): its sealed header and ciphertext."""
+    enc = h.encoding
+    if enc is None:
+        enc = Encoding(blockfile.CODEC_NONE, blockfile.DTYPE_SIZES[h.dtype], 1, h.payload_len,
+                       0)
+    elif enc.seal is not None:
+        raise ValueError("block is sealed already")
+    nonce = os.urandom(NONCE_BYTES)
+    draft = replace(h, encoding=replace(enc, stored_checksum=0,
+                                        seal=Seal(key_id, nonce, bytes(TAG_BYTES))))
+    aad = associated_data(blockfile.encode_header(draft), tenant, namespace)
+    out = AESGCM(block_key(ns_key, h.block_hash)).encrypt(nonce, bytes(stored), aad)
+    ct = memoryview(out)[:-TAG_BYTES]
+    final = replace(enc, stored_checksum=xxhash.xxh3_64_intdigest(ct),
+                    seal=Seal(key_id, nonce, out[-TAG_BYTES:]))
+    return replace(h, encoding=final), ct
+
+
+def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str, *,
+              encode: bool = True) -> bytes:
+    """A sound block file (checked here) sealed: encoded first with planes where ``encode``
+    and that pays (an encoded block keeps its codec). Raises BlockFormatError."""
+    mv = memoryview(data).cast("B")
+    h, payload = blockfile.decode(mv)  # every check (an encoded one decoded too)
+    stored: Any = payload
+    if h.encoding is not None:
+        stored = mv[HEADER_SIZE:HEADER_SIZE + h.stored_len]
+    elif encode and (got := codec.encode_block(h, payload)) is not None:
+        h, stored = got
+    sh, ct = seal_block(h, stored, ns_key, key_id, tenant, namespace)
+    return b"".join(codec.file_parts(sh, ct))
+
+
+def _views(buf: Any) -> list[memoryview]:
+    parts = buf if isinstance(buf, list | tuple) else [buf]
+    return [memoryview(p).cast("B") for p in parts]
+
+
+def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str,
+                  namespace: str) -> BlockHeader:
+    """Check sealed block ``h``'s ciphertext (length, checksum), decrypt it in place in
+    ``stored`` (a writable buffer, or a list of them holding the stored bytes in order) and
+    authenticate it: the header of what is there now (a raw block's, or its codec's, whose
+    stored checksum is the plaintext's). Raises BlockFormatError ("length", "checksum",
+    "auth"); ``stored`` then holds no plaintext to use."""
+    e = h.encoding
+    if e is None or e.seal is None:
+        raise ValueError("not a sealed block")
+    views = _views(stored)
+    total = sum(v.nbytes for v in views)
+    if total != e.stored_len:
+        raise BlockFormatError("length", f"stored bytes are {total}, header says "
+                               f"{e.stored_len}")
+    x = xxhash.xxh3_64()
+    for v in views:
+        x.update(v)
+    if x.intdigest() != e.stored_checksum:
+        raise BlockFormatError("checksum", f"stored checksum {x.intdigest():#018x}, header "
+                               f"says {e.stored_checksum:#018x}")
+    aad = associated_data(blockfile.encode_header(h), tenant, namespace)
+    dec = Cipher(algorithms.AES(block_key(ns_key, h.block_hash)),
+                 modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
+    dec.authenticate_additional_data(aad)
+    plain = xxhash.xxh3_64()
+    for v in views:
+        n, at = v.nbytes, 0
+        while at < n:
+            end = min(at + PIECE, n - TAG_BYTES) if n - at > PIECE // 4 else n
+            if end + TAG_BYTES <= n:  # update_into wants room for a block more than it writes
+                dec.update_into(v[at:end], v[at:end + TAG_BYTES])
+            else:
+                v[at:end] = dec.update(bytes(v[at:end]))
+            plain.update(v[at:end])
+            at = end
+    try:
+        dec.finalize()
+    except InvalidTag:
+        for v in views:  # nothing unauthenticated is left to be mistaken for a payload
+            v[:] = bytes(v.nbytes)
+        raise BlockFormatError("auth", "the block does not authenticate under its tenant's "
+                               f"key {e.seal.key_id} (moved, tampered with, or another "
+                               "tenant's)") from None
+    if e.codec == blockfile.CODEC_NONE:
+        return replace(h, encoding=None)
+    return replace(h, encoding=replace(e, seal=None, stored_checksum=plain.intdigest()))
+
+
+def open_file(data: Any, ns_key: bytes, tenant: str, namespace: str) -> bytes:
+    """A sealed block file opened: the file it sealed (a raw block's, or its codec's version 3
+    file), every check made. Raises BlockFormatError."""
+    mv = memoryview(data).cast("B")
+    h = blockfile.decode_header(mv)
+    blockfile.verify_file_size(h, mv.nbytes)
+    if not is_sealed(h):
+        raise ValueError("not a sealed block")
+    stored = bytearray(mv[HEADER_SIZE:HEADER_SIZE + h.stored_len])
+    blockfile.verify_padding(h, mv[HEADER_SIZE + h.stored_len:])
+    opened = open_in_place(h, stored, ns_key, tenant, namespace)
+    out = b"".join(codec.file_parts(opened, stored))
+    blockfile.decode(out)  # the opened block's own checks (payload checksum; decoded)
+    return out
+
+
+def key_id_of(h: BlockHeader) -> int | None:
+    """The tenant key a sealed block is under (None: not sealed)."""
+    return h.encoding.seal.key_id if is_sealed(h) else None  # type: ignore[union-attr]
+
+
+def open_landed(h: BlockHeader, views: Sequence[memoryview], ns_key: bytes, tenant: str,
+                namespace: str) -> None:
+    """A sealed block whose stored bytes landed in ``views`` (a load's destination: a sealed
+    file is never longer than its block) opened there: decrypted in place and, where a
+    codec stored it, decoded into the same memory; the payload checksum checked. Raises
+    BlockFormatError."""
+    e = h.encoding
+    assert e is not None
+    if e.codec == blockfile.CODEC_NONE:
+        opened = open_in_place(h, list(views), ns_key, tenant, namespace)
+        x = xxhash.xxh3_64()
+        for v in views:
+            x.update(v)
+        if x.intdigest() != opened.checksum:
+            raise BlockFormatError("checksum", f"payload checksum {x.intdigest():#018x}, "
+                                   f"header says {opened.checksum:#018x}")
+        return
+    stored = bytearray(e.stored_len)
+    at = 0
+    for v in views:
+        take = min(v.nbytes, e.stored_len - at)
+        stored[at:at + take] = v[:take]
+        at += take
+        if at == e.stored_len:
+            break
+    opened = open_in_place(h, stored, ns_key, tenant, namespace)
+    codec.decode_payload(opened, stored, list(views))
