@@ -30,9 +30,9 @@ class NamespaceKeys:
         self._keys: dict[int, bytes] = {}
         self._until = 0.0
 
-    def _ask(self) -> None:
+    def _ask(self, key_id: int) -> None:
         try:
-            data = os.getxattr(self.ns_dir, control.KEYS)
+            data = os.getxattr(self.ns_dir, control.keys_name(key_id))
             ttl_ms, keys = control.decode_keys(data)
         except (OSError, ValueError) as exc:
             raise BlockFormatError("sealed", f"no keys for {self.ns_dir}: {exc}") from None
@@ -47,7 +47,7 @@ class NamespaceKeys:
                 self._keys = {}
             key = self._keys.get(key_id)
             if key is None:
-                self._ask()
+                self._ask(key_id)
                 key = self._keys.get(key_id)
             if key is None:
                 raise BlockFormatError("sealed", f"key {key_id:08x} of {self.ns_dir} is not "

@@ -122,9 +122,9 @@ class Governance:
             log.error("tenant %s has no key, so none of its blocks leaves the hot tier: %s",
                       tenant, exc)
 
-    async def client_keys(self, node: Node) -> bytes:
+    async def client_keys(self, node: Node, want: int | None = None) -> bytes:
         """The :data:`~kvfs.format.control.KEYS` answer for a namespace directory (the kernel
-        checked that the caller may read it)."""
+        checked that the caller may read it); ``want``: a key id the client needs."""
         if node.ns != node.inode or node.tenant == 0:
             raise FUSEError(errno.EINVAL)  # keys are a namespace's
         if self.keyring is None:
@@ -132,7 +132,7 @@ class Governance:
         names = self.tree.names_of({node.tenant})
         tenant = names.get(node.tenant, "")
         ns = node.name.decode(errors="surrogateescape")
-        keys = await trio.to_thread.run_sync(self.keyring.namespace_keys, tenant, ns)
+        keys = await trio.to_thread.run_sync(self.keyring.namespace_keys, tenant, ns, want)
         return control.encode_keys(int(self.keyring.ttl * 1000), keys)
 
     async def key_command(self, node: Node, name: bytes, value: bytes, ctx: Any) -> None:

@@ -316,7 +316,7 @@ class Keyring:
         st.cache[key_id] = (dk, time.monotonic() + self.ttl)
         self.audit(op=f"key-{why}", tenant=tenant, key_id=f"{key_id:08x}",
                    unreached=failed)
-        log.info("tenant %s: key %08x %sd", tenant, key_id, why.rstrip("e"))
+        log.info("tenant %s: key %08x %s", tenant, key_id, why + "d")
         return key_id
 
     def data_key(self, tenant: str, key_id: int) -> bytes:
@@ -350,12 +350,17 @@ class Keyring:
     def namespace_key(self, tenant: str, namespace: str, key_id: int) -> bytes:
         return seal.namespace_key(self.data_key(tenant, key_id), tenant, namespace)
 
-    def namespace_keys(self, tenant: str, namespace: str) -> list[tuple[int, bytes]]:
+    def namespace_keys(self, tenant: str, namespace: str, want: int | None = None
+                       ) -> list[tuple[int, bytes]]:
         """Every live key of ``tenant`` as ``namespace``'s keys, newest first (what a client
-        of that namespace is given to open the blocks it was granted)."""
+        of that namespace is given to open the blocks it was granted); ``want``: a key id
+        the client met and was not given, looked for in the tiers again (another host's)."""
         with self._lock:
+            st = self._state(tenant)
+            if want is not None and want not in st.wrapped:
+                self._scan(tenant)
             out = []
-            for key_id in self._state(tenant).live():
+            for key_id in st.live():
                 try:
                     out.append((key_id, self.namespace_key(tenant, namespace, key_id)))
                 except KeyUnavailable as exc:

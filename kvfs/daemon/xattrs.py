@@ -77,8 +77,10 @@ class Xattrs:
         node = self.index.get(inode)
         if name.startswith(control.GRANT_REPLY) and ctx is not None and node.is_dir:
             return self.commands.grants.reply(node, name, ctx.uid)
-        if name == control.KEYS and node.is_dir:
-            return await self.governance.client_keys(node)
+        if name.startswith(control.KEYS) and node.is_dir:
+            want = control.wanted_key(name)
+            if want is not None or name == control.KEYS:
+                return await self.governance.client_keys(node, want if want != -1 else None)
         if name == control.FORGET and node.inode == node.tenant:
             return self.governance.report(node)
         if name == control.KEY_STATE and node.inode == node.tenant:

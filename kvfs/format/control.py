@@ -87,6 +87,21 @@ _KEYS = struct.Struct("<4sII")
 _KEYS_MAGIC = b"KVK1"
 
 
+def keys_name(key_id: int | None = None) -> bytes:
+    """The attribute that asks for a namespace's keys, naming a key id it needs."""
+    return KEYS if key_id is None else KEYS + b".%08x" % key_id
+
+
+def wanted_key(name: bytes) -> int | None:
+    """The key id a :func:`keys_name` names (-1: none named; None: not such a name)."""
+    if name == KEYS:
+        return -1
+    tail = name[len(KEYS):]
+    if len(tail) == 9 and tail[:1] == b"." and all(c in b"0123456789abcdef" for c in tail[1:]):
+        return int(tail[1:], 16)
+    return None
+
+
 def encode_keys(ttl_ms: int, keys: list[tuple[int, bytes]]) -> bytes:
     """The answer to :data:`KEYS`: how long it may be kept, then (key id, 32-byte key) each,
     newest first."""
