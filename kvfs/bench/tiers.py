@@ -189,6 +189,8 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                      f"{lg['second_request']['found']}"))
         rows.append(("  block files left unindexed in hot", str(lg["unindexed"]), "0", None,
                      f"{lg['on_disk']} files on disk, {d['hits']} fetches counted"))
+    if res.get("seal"):
+        rows += seal_rows(res["seal"])
     for st in res.get("delays", []):
         lat, base = st["latency_ms"], st["baseline_ms"]
         what = (f"{res['params']['tail_blocks']} blocks/request, +{st['delay_ms']:g} ms/request"
@@ -230,6 +232,23 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                      f"{o['store_restart_s']:.1f} s" if o["first_hit_after_s"] is not None
                      else "HITS DID NOT RETURN"))
     return rows
+
+
+def seal_rows(sl: dict[str, Any]) -> list[tuple[str, str, str, float | None, str]]:
+    what = (f"{sl['blocks']} x {sl['block_mib']:g} MiB per request, median of "
+            f"{sl.get('restore_rounds', sl['rounds'])} rounds of 4 (sealed, plain, plain, "
+            "sealed); AES-256-GCM")
+    return [
+        ("restore from shared S3, sealed", f"{sl['sealed_restore']:.2f} GB/s",
+         f"{sl['plain_restore']:.2f} GB/s (the same, --no-encrypt)", sl["restore_ratio"], what),
+        ("  restore sealed vs its bound", f"{sl['sealed_restore']:.2f} GB/s",
+         f"{sl['bound_gbps']:.2f} GB/s (the plain restore + opening the same bytes: "
+         f"{sl['open_gbps']:.1f} GB/s on one core)", sl["bound_ratio"],
+         "AES-256-GCM in the cryptography package, which holds the GIL"),
+        ("publish to shared S3, sealed", f"{sl['sealed_publish']:.2f} GB/s",
+         f"{sl['plain_publish']:.2f} GB/s (the same, --no-encrypt)", sl["publish_ratio"],
+         f"save to last upload, write-through; median of {sl['rounds']} rounds"),
+    ]
 
 
 def _ratio(x: float | None) -> str:
@@ -299,10 +318,19 @@ def build_parser() -> argparse.ArgumentParser:
                         "shrinks)")
     p.add_argument("--tier-codec", choices=("planes", "none"), default="planes",
                    dest="tier_codec", help="every mount's --tier-codec (planes)")
+    p.add_argument("--figures", default="restore,large,latency,seal",
+                   help="which figures to run, comma-separated (all: "
+                        "restore,large,latency,seal)")
+    p.add_argument("--seal-rounds", type=int, default=7,
+                   help="rounds of the encryption figure (sealed against --no-encrypt) (7)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small, short")
     add_output_args(p)  # --out DIR (tiers.json and tiers.png there) or --json FILE
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     return p
+
+
+class _Done(Exception):
+    """The figures asked for are done (``--figures seal``)."""
 
 
 def _stop(signum: int, frame: Any) -> None:
@@ -324,6 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         random_kv,
         wait_published,
     )
+    from .tiers_seal import bench_seal  # noqa: PLC0415
 
     args = build_parser().parse_args(argv)
     logging.getLogger("kvfs").setLevel(logging.ERROR)
@@ -334,6 +363,13 @@ def main(argv: list[str] | None = None) -> int:
         args.fetch_timeout, args.tier_cooldown, args.outage = 1.0, 1.0, 3.0
         args.recovery_hits = 2
         args.large_blocks = 48
+        args.seal_rounds = 2
+    figs = {f.strip() for f in args.figures.split(",") if f.strip()}
+    if figs - {"restore", "large", "latency", "seal"}:
+        print(f"bench_tiers: unknown figures in {args.figures!r}", file=sys.stderr)
+        return 2
+    if "large" not in figs:
+        args.large_blocks = 0
     args.delays = [float(x) for x in str(args.delays).split(",") if x]
     payload = random_kv if args.payload == "random" else kv_like
     if not os.path.exists("/dev/fuse") or shutil.which("fusermount3") is None:
@@ -350,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix=".kvfs-bench-tiers-", dir=base)
     os.chmod(work, 0o755)
     cold_root = os.path.join(work, "cold-tier")
+    os.makedirs(cold_root)
     command = "python tools/bench_tiers.py " + " ".join(
         portable(a) for a in (argv if argv is not None else sys.argv[1:]))
     res: dict[str, Any] = {"benchmark": "tiers", "command": command.strip(),
@@ -389,12 +426,26 @@ def main(argv: list[str] | None = None) -> int:
                                         "--tier-cooldown", str(args.tier_cooldown),
                                         *codec_args])
         for m in (w_s3, w_dir, r_dir, r_s3, r_large, r_tail):
-            m.start()
-            mounts.append(m)
-            m.add_tenant(TENANT)
+            if figs - {"seal"}:
+                m.start()
+                mounts.append(m)
+                m.add_tenant(TENANT)
         res["conditions"] = tiers_conditions({"hot": str(w_s3.backing), "cold": cold_root,
                                               "s3": str(server.datadir)})
         log(f"conditions: {conditions_text(res['conditions'])}")
+        if "seal" in figs:
+            log(f"encryption: {args.seal_rounds} rounds of {args.blocks} blocks published and "
+                "restored through S3, sealed and not")
+            try:
+                res["seal"] = bench_seal(
+                    spec, work, lambda prefix: direct.replace(f"/{PREFIX}?", f"/{prefix}?"),
+                    blocks=args.blocks, rounds=args.seal_rounds, payload=payload,
+                    mounts=mounts)
+            except (BenchError, RuntimeError) as exc:
+                res["problems"].append(f"encryption: {exc}")
+                log(f"PROBLEM: {exc}")
+        if not figs - {"seal"}:
+            raise _Done
 
         # -- the blocks: saved on the writers, published by write-through ---------------------
         sets = Sets(spec, base=10**9)
@@ -438,8 +489,10 @@ def main(argv: list[str] | None = None) -> int:
         # -- figure 1 ------------------------------------------------------------------------
         log(f"restore: {args.repeats} rounds of {args.blocks} blocks from hot, cold, S3")
         try:
-            res["restore"] = bench_restore(args, spec, restore_sets, r_dir, r_s3, cold_root,
-                                           server.endpoint, os.path.join(work, "copy-scratch"))
+            if "restore" in figs:
+                res["restore"] = bench_restore(args, spec, restore_sets, r_dir, r_s3,
+                                               cold_root, server.endpoint,
+                                               os.path.join(work, "copy-scratch"))
         except BenchError as exc:
             res["problems"].append(f"restore: {exc}")
             log(f"PROBLEM: {exc}")
@@ -466,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         res["delays"] = []
         res["outages"] = []
         try:
-            for d in args.delays:
+            for d in args.delays if "latency" in figs else []:
                 log(f"latency: {args.tail_requests} requests of {args.tail_blocks} blocks, "
                     f"+{d:g} ms per request")
                 st = tail.delay_stage(d)
@@ -474,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"  p50 {st['latency_ms']['p50']:.1f} ms, p99 {st['latency_ms']['p99']:.1f}"
                     f" ms, max {st['latency_ms']['max']:.1f} ms (boto3 p50 "
                     f"{st['baseline_ms']['p50']:.1f} ms), misses {st['misses']}")
-            if not args.no_outage:
+            if not args.no_outage and "latency" in figs:
                 for kind in ("hang", "down"):
                     log(f"outage: {kind}, {args.outage:g} s")
                     o = tail.outage_stage(kind, server)
@@ -488,10 +541,12 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as exc:
             res["problems"].append(f"latency: {exc}")
             log(f"PROBLEM: {exc}")
+    except _Done:
+        pass
+    finally:
         for m in mounts:
             if not m.alive:
                 res["problems"].append(f"mount {m.name} is dead: {m.log_excerpt(10)}")
-    finally:
         if tail is not None:
             try:
                 tail.close()

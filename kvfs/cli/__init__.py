@@ -30,6 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:2] == ["bench", "tiers"]:  # its own options (kvfs.bench.tiers), passed whole
+        from ..bench import tiers  # noqa: PLC0415
+
+        return tiers.main(argv[2:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

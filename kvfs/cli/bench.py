@@ -190,6 +190,12 @@ def cmd_bench_s3clients(args: argparse.Namespace) -> int:
     return s3clients.run(args)
 
 
+def cmd_bench_tiers(args: argparse.Namespace) -> int:
+    from ..bench import tiers  # noqa: PLC0415 - (kvfs.cli.main passes its options itself)
+
+    return tiers.main(args.tiers_args)
+
+
 def cmd_bench_codec(args: argparse.Namespace) -> int:
     from ..bench import codecs  # noqa: PLC0415
 
@@ -401,6 +407,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     codec_args(bcodec)
     add_output_args(bcodec)
     bcodec.set_defaults(func=cmd_bench_codec)
+
+    btiers = bsub.add_parser("tiers", add_help=False,
+                             help="restores from hot, cold and shared S3 against preadv and "
+                                  "the fastest S3 client, latency with the store slow or down, "
+                                  "encryption's cost (`kvfs bench tiers --help`)")
+    btiers.add_argument("tiers_args", nargs=argparse.REMAINDER)
+    btiers.set_defaults(func=cmd_bench_tiers)
 
     bt = bsub.add_parser("trace", help="write a generated agentic or mixed trace (Mooncake "
                          "format) and measure it: shared prefix, reuse, concurrency, gaps")

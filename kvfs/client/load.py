@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..format import blockfile, control
+from ..format import blockfile, control, seal
 from . import devsum, encoded, leases, remote
 from .channel import ControlChannel
 from .keys import NamespaceKeys
@@ -396,9 +396,24 @@ class Loading(Layouts):
         each socket read within the daemon's deadline for the block (a store that stops
         sending costs a miss, not a hang)."""
         probe = memoryview(bytearray(self._pad + 1))
+        opened: list[seal.Opener] = []
+
+        def opener_for(_landed: memoryview) -> seal.Opener | None:
+            """A sealed object stored as is: opened as its body lands."""
+            try:
+                hdr = self._verify_header(h, header)
+                kid = seal.key_id_of(hdr)
+                if kid is None or hdr.encoding.codec != blockfile.CODEC_NONE:  # type: ignore[union-attr]
+                    return None
+                opened.append(seal.Opener(hdr, self.keys.get(kid), self.keys.tenant,
+                                          self.keys.namespace))
+                return opened[0]
+            except blockfile.BlockFormatError:
+                return None  # said again, with the reason, once the body is read
+
         try:
             total, csum = remote.get_into(answered, memoryview(header), views, probe,
-                                          self._checksummed(h))
+                                          self._checksummed(h), opener_for)
         except FileNotFoundError:
             prefix.fail(i)
             return _Outcome()
@@ -407,7 +422,13 @@ class Loading(Layouts):
             return _Outcome(error=exc)
         out = _Outcome(read=min(total, self._file_bytes))
         try:
-            if encoded.is_encoded(header):
+            if opened:
+                if total != opened[0].h.file_size:
+                    raise blockfile.BlockFormatError("length", f"sealed object is {total} "
+                                                     "bytes, header says "
+                                                     f"{opened[0].h.file_size}")
+                opened[0].finish()
+            elif encoded.is_encoded(header):
                 encoded.decode_landed(self._verify_header(h, header), views, total,
                                        self.keys)
             else:

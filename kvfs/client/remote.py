@@ -29,15 +29,16 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import xxhash
 
-from ..format import control
+from ..format import blockfile, control
 from . import handout as handout_client
 from . import leases
 from .transport import HASH_PIECE
@@ -321,7 +322,8 @@ def _fill(resp: http.client.HTTPResponse, view: memoryview) -> int:
 
 
 def get_into(a: Answered, header: memoryview, views: list[memoryview], probe: memoryview,
-             want_checksum: bool) -> tuple[int, int | None]:
+             want_checksum: bool, opener_for: Callable[[memoryview], Any] | None = None
+             ) -> tuple[int, int | None]:
     """Read answered GET ``a``'s body into ``header``, ``views`` (the payload's destination)
     and ``probe`` (the padding and one byte more, which only an overlong object fills),
     hashing the payload piece by piece as it lands: (bytes received, payload xxh3 or None).
@@ -339,7 +341,11 @@ def get_into(a: Answered, header: memoryview, views: list[memoryview], probe: me
     u = urlsplit(a.url)
     try:
         total = _fill(resp, header)
-        x = xxhash.xxh3_64() if want_checksum else None
+        # An encoded (or sealed) object's bytes are checked as they are decoded, not here; a
+        # sealed one stored as is is opened as it lands (``opener_for``: a seal.Opener).
+        encoded = total > 8 and header[8] == blockfile.ENCODED_VERSION
+        opener = opener_for(header) if encoded and opener_for is not None else None
+        x = xxhash.xxh3_64() if want_checksum and not encoded else None
         for v in views:
             for lo in range(0, len(v), HASH_PIECE):
                 piece = v[lo:lo + HASH_PIECE]
@@ -347,6 +353,8 @@ def get_into(a: Answered, header: memoryview, views: list[memoryview], probe: me
                 total += n
                 if x is not None:
                     x.update(piece[:n])
+                if opener is not None:
+                    opener.feed(piece[:n])
                 if n < len(piece):
                     break
         total += _fill(resp, probe)

@@ -154,16 +154,19 @@ def raw_file(h: BlockHeader, payload: Any) -> bytes:
     return b"".join((blockfile.encode_header(replace(h, encoding=None)), payload, pad))
 
 
-def decode_payload(h: BlockHeader, stored: Any, dest: Any = None) -> Any:
+def decode_payload(h: BlockHeader, stored: Any, dest: Any = None, *,
+                   stored_checked: bool = False) -> Any:
     """Decode a version 3 block's stored bytes (after checking their length and checksum)
     into ``dest`` (a writable buffer, or a list of them filled in order, the payload's size
     in all; None: new memory, returned), checking the decoded payload's checksum. Raises
-    BlockFormatError ("checksum", "length", "codec"); ``dest`` is then not to be used."""
+    BlockFormatError ("checksum", "length", "codec"); ``dest`` is then not to be used.
+    ``stored_checked``: the stored bytes were checked already (hashed as a seal was opened)."""
     e = h.encoding
     assert e is not None
     if e.seal is not None:
         raise BlockFormatError("sealed", "an encrypted block: opened first (kvfs.format.seal)")
-    blockfile.verify_stored(h, stored)
+    if not stored_checked:
+        blockfile.verify_stored(h, stored)
     out = bytearray(h.payload_len) if dest is None else dest
     if e.codec == blockfile.CODEC_INT8:
         if _codec is not None:

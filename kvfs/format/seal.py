@@ -108,13 +108,16 @@ def _views(buf: Any) -> list[memoryview]:
     return [memoryview(p).cast("B") for p in parts]
 
 
-def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str,
-                  namespace: str) -> BlockHeader:
-    """Check sealed block ``h``'s ciphertext (length, checksum), decrypt it in place in
-    ``stored`` (a writable buffer, or a list of them holding the stored bytes in order) and
-    authenticate it: the header of what is there now (a raw block's, or its codec's, whose
-    stored checksum is the plaintext's). Raises BlockFormatError ("length", "checksum",
-    "auth"); ``stored`` then holds no plaintext to use."""
+def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str, namespace: str,
+                  *, check_stored: bool = False) -> BlockHeader:
+    """Decrypt sealed block ``h``'s stored bytes in place in ``stored`` (a writable buffer,
+    or a list of them holding the stored bytes in order) and authenticate them: the header of
+    what is there now (a raw block's, its payload checksum checked; or its codec's, whose
+    stored checksum is the plaintext's). The tag covers every stored byte, so the
+    ciphertext's own checksum is checked only where asked (``check_stored``: before any
+    decryption, to tell a torn object from a forged one). Each piece is hashed as it is
+    decrypted, in cache. Raises BlockFormatError ("length", "checksum", "auth"); ``stored``
+    then holds no plaintext to use."""
     e = h.encoding
     if e is None or e.seal is None:
         raise ValueError("not a sealed block")
@@ -123,12 +126,13 @@ def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str,
     if total != e.stored_len:
         raise BlockFormatError("length", f"stored bytes are {total}, header says "
                                f"{e.stored_len}")
-    x = xxhash.xxh3_64()
-    for v in views:
-        x.update(v)
-    if x.intdigest() != e.stored_checksum:
-        raise BlockFormatError("checksum", f"stored checksum {x.intdigest():#018x}, header "
-                               f"says {e.stored_checksum:#018x}")
+    if check_stored:
+        x = xxhash.xxh3_64()
+        for v in views:
+            x.update(v)
+        if x.intdigest() != e.stored_checksum:
+            raise BlockFormatError("checksum", f"stored checksum {x.intdigest():#018x}, "
+                                   f"header says {e.stored_checksum:#018x}")
     aad = associated_data(blockfile.encode_header(h), tenant, namespace)
     dec = Cipher(algorithms.AES(block_key(ns_key, h.block_hash)),
                  modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
@@ -150,11 +154,64 @@ def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str,
         for v in views:  # nothing unauthenticated is left to be mistaken for a payload
             v[:] = bytes(v.nbytes)
         raise BlockFormatError("auth", "the block does not authenticate under its tenant's "
-                               f"key {e.seal.key_id} (moved, tampered with, or another "
-                               "tenant's)") from None
+                               f"key {e.seal.key_id:08x} (moved, tampered with, torn, or "
+                               "another tenant's)") from None
+    digest = plain.intdigest()
     if e.codec == blockfile.CODEC_NONE:
+        if digest != h.checksum:
+            raise BlockFormatError("checksum", f"payload checksum {digest:#018x}, header "
+                                   f"says {h.checksum:#018x}")
         return replace(h, encoding=None)
-    return replace(h, encoding=replace(e, seal=None, stored_checksum=plain.intdigest()))
+    return replace(h, encoding=replace(e, seal=None, stored_checksum=digest))
+
+
+class Opener:
+    """Opens a sealed block (codec ``none``) piece by piece as its stored bytes land (a GET's
+    body read into its destination): each piece decrypted in place and hashed while it is in
+    the core's cache; :meth:`finish` authenticates the whole and checks the payload checksum.
+    Raises BlockFormatError ("length", "checksum", "auth")."""
+
+    def __init__(self, h: BlockHeader, ns_key: bytes, tenant: str, namespace: str) -> None:
+        e = h.encoding
+        if e is None or e.seal is None or e.codec != blockfile.CODEC_NONE:
+            raise ValueError("not a sealed block stored as is")
+        self.h = h
+        self._dec = Cipher(algorithms.AES(block_key(ns_key, h.block_hash)),
+                           modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
+        self._dec.authenticate_additional_data(
+            associated_data(blockfile.encode_header(h), tenant, namespace))
+        self._plain = xxhash.xxh3_64()
+        self._fed = 0
+        self._views: list[memoryview] = []
+
+    def feed(self, piece: memoryview) -> None:
+        """Decrypt the next landed ``piece`` in place."""
+        piece[:] = self._dec.update(piece)
+        self._plain.update(piece)
+        self._fed += piece.nbytes
+        self._views.append(piece)
+
+    def finish(self) -> BlockHeader:
+        """Authenticate what was fed: the block's raw header. A failure zeroes what was fed."""
+        try:
+            if self._fed != self.h.payload_len:
+                raise BlockFormatError("length", f"stored bytes are {self._fed}, header says "
+                                       f"{self.h.payload_len}")
+            try:
+                self._dec.finalize()
+            except InvalidTag:
+                raise BlockFormatError("auth", "the block does not authenticate under its "
+                                       "tenant's key (moved, tampered with, torn, or another "
+                                       "tenant's)") from None
+            if self._plain.intdigest() != self.h.checksum:
+                raise BlockFormatError("checksum", f"payload checksum "
+                                       f"{self._plain.intdigest():#018x}, header says "
+                                       f"{self.h.checksum:#018x}")
+        except BlockFormatError:
+            for v in self._views:
+                v[:] = bytes(v.nbytes)
+            raise
+        return replace(self.h, encoding=None)
 
 
 def open_file(data: Any, ns_key: bytes, tenant: str, namespace: str) -> bytes:
@@ -167,7 +224,7 @@ def open_file(data: Any, ns_key: bytes, tenant: str, namespace: str) -> bytes:
         raise ValueError("not a sealed block")
     stored = bytearray(mv[HEADER_SIZE:HEADER_SIZE + h.stored_len])
     blockfile.verify_padding(h, mv[HEADER_SIZE + h.stored_len:])
-    opened = open_in_place(h, stored, ns_key, tenant, namespace)
+    opened = open_in_place(h, stored, ns_key, tenant, namespace, check_stored=True)
     out = b"".join(codec.file_parts(opened, stored))
     blockfile.decode(out)  # the opened block's own checks (payload checksum; decoded)
     return out
@@ -186,14 +243,8 @@ def open_landed(h: BlockHeader, views: Sequence[memoryview], ns_key: bytes, tena
     BlockFormatError."""
     e = h.encoding
     assert e is not None
-    if e.codec == blockfile.CODEC_NONE:
-        opened = open_in_place(h, list(views), ns_key, tenant, namespace)
-        x = xxhash.xxh3_64()
-        for v in views:
-            x.update(v)
-        if x.intdigest() != opened.checksum:
-            raise BlockFormatError("checksum", f"payload checksum {x.intdigest():#018x}, "
-                                   f"header says {opened.checksum:#018x}")
+    if e.codec == blockfile.CODEC_NONE:  # decrypted where it landed, its checksum checked
+        open_in_place(h, list(views), ns_key, tenant, namespace)
         return
     stored = bytearray(e.stored_len)
     at = 0
@@ -204,4 +255,4 @@ def open_landed(h: BlockHeader, views: Sequence[memoryview], ns_key: bytes, tena
         if at == e.stored_len:
             break
     opened = open_in_place(h, stored, ns_key, tenant, namespace)
-    codec.decode_payload(opened, stored, list(views))
+    codec.decode_payload(opened, stored, list(views), stored_checked=True)

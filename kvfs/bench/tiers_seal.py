@@ -1,0 +1,147 @@
+"""Figure 4 of ``kvfs bench tiers``: what encryption at rest costs on the shared tier.
+
+Two writers publish the same blocks to the same bucket (under two prefixes), one sealing them
+(the default) and one with ``--no-encrypt``; two fresh readers restore them (``lookup`` +
+``load``, one request of ``--blocks`` blocks, the client GETting the objects itself with its
+grants and, sealed, opening them with its namespace's keys). First every round publishes a
+fresh set on both writers (timed from the save to the last upload), then the sets are
+restored, two per round, in the order sealed, plain, plain, sealed (the store left to settle
+between the phases: a restore right after a publish, or right after another restore, ran
+slower, whichever it was). The figures are the medians of the rounds and the ratio the
+median of the per-round ratios (sealed over plain); the target: both >= 0.9x. Beside it,
+the bound of a sealed restore on this machine: the plain restore plus opening the same bytes
+on one core (:func:`open_gbps`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..client import KVCache
+from ..format.hashing import ModelSpec
+from .harness import Mount, log
+from .tiers_restore import HEADER, Sets, request, wait_published
+
+TENANT = "t"
+
+
+def open_gbps(spec: ModelSpec, n: int = 16) -> float:
+    """GB/s of opening sealed blocks in place on this core (kvfs.format.seal.open_in_place:
+    AES-256-GCM, the payload hashed as it is decrypted), median of 5 passes over n blocks."""
+    from ..format import blockfile, hashing, seal  # noqa: PLC0415
+
+    payload = os.urandom(spec.block_payload_bytes)
+    h = hashing.block_hashes(list(range(spec.block_size)), spec.block_size)[0]
+    raw = blockfile.encode(block_hash=h, parent_hash=hashing.ROOT_PARENT, fingerprint=bytes(16),
+                           token_count=spec.block_size, dtype="uint8",
+                           shape=(spec.block_payload_bytes,), payload=payload)
+    key = os.urandom(32)
+    sealed = seal.seal_file(raw, key, 1, TENANT, "ns", encode=False)
+    hdr = blockfile.decode_header(sealed)
+    body = sealed[blockfile.HEADER_SIZE:blockfile.HEADER_SIZE + hdr.stored_len]
+    bufs = [bytearray(body) for _ in range(n)]
+    times = []
+    for _ in range(5):
+        for b in bufs:
+            b[:] = body
+        t0 = time.perf_counter()
+        for b in bufs:
+            seal.open_in_place(hdr, b, key, TENANT, "ns")
+        times.append(time.perf_counter() - t0)
+    return n * len(body) / statistics.median(times) / 1e9
+
+
+def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, blocks: int,
+               rounds: int, payload: Callable[[ModelSpec, int, int], torch.Tensor],
+               mounts: list[Mount]) -> dict[str, Any]:
+    """The figure: publish and restore GB/s sealed and plain, and their ratios."""
+    sealed_url, plain_url = url_of("kvfs-sealed"), url_of("kvfs-plain")
+    side = {
+        "sealed": (Mount.under(os.path.join(work, "w-sealed"), ["--shared", sealed_url]),
+                   Mount.under(os.path.join(work, "r-sealed"), ["--shared", sealed_url])),
+        "plain": (Mount.under(os.path.join(work, "w-plain"), ["--shared", plain_url,
+                                                              "--no-encrypt"]),
+                  Mount.under(os.path.join(work, "r-plain"), ["--shared", plain_url,
+                                                              "--no-encrypt"])),
+    }
+    for w, r in side.values():
+        for m in (w, r):
+            m.start()
+            mounts.append(m)
+            m.add_tenant(TENANT)
+    payload_bytes = blocks * spec.block_payload_bytes
+    sets = Sets(spec, base=3 * 10**9)
+    out = {k: {"publish_gbps": [], "restore_gbps": []} for k in side}
+    ratios: dict[str, list[float]] = {"publish": [], "restore": []}
+    published = {k: 0 for k in side}
+    caches = {k: (KVCache.open(w.mnt, tenant=TENANT, spec=spec, direct=True),
+                  KVCache.open(r.mnt, tenant=TENANT, spec=spec, direct=True))
+              for k, (w, r) in side.items()}
+    try:
+        sets_kv = []
+        for rnd in range(rounds):  # publish: the save, then write-through to the bucket
+            order = list(side) if rnd % 2 == 0 else list(side)[::-1]
+            hashes = sets.make(caches["sealed"][0], 1, blocks)[0]
+            kv = payload(spec, blocks, 7 * 10**6 + rnd)
+            sets_kv.append((hashes, kv))
+            got: dict[str, float] = {}
+            for k in order:
+                t0 = time.monotonic()
+                published[k] += caches[k][0].save(hashes, kv)
+                done = wait_published(side[k][0], published[k], 600)
+                got[k] = payload_bytes / (done - t0) / 1e9
+                out[k]["publish_gbps"].append(got[k])
+                time.sleep(0.3)
+            ratios["publish"].append(got["sealed"] / got["plain"])
+            log(f"  publish {rnd + 1}: sealed {got['sealed']:.2f} / plain {got['plain']:.2f} "
+                "GB/s")
+        time.sleep(3)  # the store settles after the writes
+        for rnd in range(rounds // 2):  # restore on readers that never saw them: A B B A
+            spent = {k: 0.0 for k in side}
+            for j, order in enumerate((list(side), list(side)[::-1])):
+                hashes, kv = sets_kv[2 * rnd + j]
+                dest = torch.empty_like(kv)
+                for k in order:
+                    res = request(caches[k][1], hashes, dest, 120)
+                    if res["blocks"] != blocks:
+                        raise RuntimeError(f"{k} restore found {res['found']} and loaded "
+                                           f"{res['blocks']} of {blocks} blocks")
+                    if not torch.equal(dest.view(torch.int16), kv.view(torch.int16)):
+                        raise RuntimeError(f"{k} restore gave other bytes than were saved")
+                    spent[k] += res["seconds"]
+                    caches[k][1].flush()  # its hot copies written behind, before the next
+                    time.sleep(0.3)
+            got = {k: 2 * payload_bytes / t / 1e9 for k, t in spent.items()}
+            for k in side:
+                out[k]["restore_gbps"].append(got[k])
+            ratios["restore"].append(got["sealed"] / got["plain"])
+            log(f"  restore {rnd + 1}: sealed {got['sealed']:.2f} / plain {got['plain']:.2f} "
+                "GB/s")
+    finally:
+        for w, r in caches.values():
+            w.close()
+            r.close()
+    aes = open_gbps(spec)
+    # The bound of a sealed restore here: the plain one plus opening the same bytes (AES-256-GCM
+    # and the payload's xxh3, on one core: the cipher holds the GIL).
+    bounds = [1 / (1 / p + 1 / aes) for p in out["plain"]["restore_gbps"]]
+    return {
+        "open_gbps": aes, "bound_gbps": statistics.median(bounds),
+        "bound_ratio": statistics.median(s / b for s, b in
+                                         zip(out["sealed"]["restore_gbps"], bounds, strict=True)),
+        "blocks": blocks, "block_mib": spec.block_payload_bytes / 2**20, "rounds": rounds,
+        "restore_rounds": rounds // 2,
+        "file_bytes": HEADER + spec.block_payload_bytes,
+        **{f"{k}_{m}": statistics.median(v[f"{m}_gbps"]) for k, v in out.items()
+           for m in ("publish", "restore")},
+        "publish_ratio": statistics.median(ratios["publish"]),
+        "restore_ratio": statistics.median(ratios["restore"]),
+        "per_round": {"ratios": ratios, **out},
+    }
+
