@@ -178,6 +178,10 @@ class KVCache(Saving, Loading):
         # reads the backing tree itself (kvfs.daemon.handout).
         self._handout = _handout(data_dir) if direct and self.tiers else None
         self.codec = _save_codec(ns_dir, spec)
+        try:
+            self.hot_seal = os.getxattr(ns_dir, control.SEAL) == b"1"
+        except OSError:
+            self.hot_seal = False
         _raise_fd_limit()
 
     # -- opening -------------------------------------------------------------------------

@@ -28,15 +28,17 @@ class NamespaceKeys:
         self.tenant = os.path.basename(os.path.dirname(ns_dir.rstrip("/")))
         self._lock = threading.Lock()
         self._keys: dict[int, bytes] = {}
+        self._order: list[int] = []
         self._until = 0.0
 
-    def _ask(self, key_id: int) -> None:
+    def _ask(self, key_id: int | None) -> None:
         try:
             data = os.getxattr(self.ns_dir, control.keys_name(key_id))
             ttl_ms, keys = control.decode_keys(data)
         except (OSError, ValueError) as exc:
             raise BlockFormatError("sealed", f"no keys for {self.ns_dir}: {exc}") from None
         self._keys = dict(keys)
+        self._order = [k for k, _ in keys]  # newest first
         self._until = time.monotonic() + ttl_ms / 1000
 
     def get(self, key_id: int) -> bytes:
@@ -44,7 +46,7 @@ class NamespaceKeys:
         gives none (retired, the tenant forgotten, no keys on the mount)."""
         with self._lock:
             if time.monotonic() >= self._until:
-                self._keys = {}
+                self._keys, self._order = {}, []
             key = self._keys.get(key_id)
             if key is None:
                 self._ask(key_id)
@@ -53,6 +55,17 @@ class NamespaceKeys:
                 raise BlockFormatError("sealed", f"key {key_id:08x} of {self.ns_dir} is not "
                                        "given (retired, or the tenant forgotten)")
             return key
+
+    def newest(self) -> tuple[int, bytes]:
+        """(key id, namespace key) new blocks are sealed with (--hot-encrypt). Raises
+        BlockFormatError ("sealed") where the daemon gives none."""
+        with self._lock:
+            if time.monotonic() >= self._until or not self._order:
+                self._ask(None)
+            if not self._order:
+                raise BlockFormatError("sealed", f"no keys for {self.ns_dir}")
+            kid = self._order[0]
+            return kid, self._keys[kid]
 
     def forget(self) -> None:
         with self._lock:

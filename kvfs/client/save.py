@@ -29,11 +29,12 @@ from typing import Any
 
 import torch
 
-from ..format import blockfile, codec, control
+from ..format import blockfile, codec, control, seal
 from ..format.hashing import ROOT_PARENT
 from ..format.layout import TEMP_PREFIX
 from . import devsum
 from .channel import ControlChannel
+from .keys import NamespaceKeys
 from .layouts import Layouts, stream_done
 from .transport import (
     ONE_READ_BYTES,
@@ -91,6 +92,10 @@ class Saving(Layouts):
     _native_writes = True
     #: How saved blocks are stored (kvfs.format.codec: "planes", "int8"; None: as they are).
     codec: str | None = None
+    #: The mount seals the hot tier's blocks (--hot-encrypt): saves are sealed with
+    #: ``keys.newest()``.
+    hot_seal: bool = False
+    keys: NamespaceKeys
     #: int8: how the engine's bytes lay a block's rows out (blockfile.int8_tiles, 0: runs;
     #: the vLLM connector's worker.int8_tiles finds its engine's).
     int8_tiles: int = 0
@@ -219,14 +224,21 @@ class Saving(Layouts):
         final = self.path(h)
         fan = os.path.dirname(final)
         tmp = os.path.join(fan, f"{_TEMP}{h.hex()}.{os.getpid()}.{os.urandom(4).hex()}")
-        if self.codec is not None and plen:
-            # Encoded (the namespace's lossy codec, or the mount's hot-tier codec): the
-            # payload gathered, encoded, and the smaller file written as one.
+        if (self.codec is not None or self.hot_seal) and plen:
+            # Encoded (the namespace's lossy codec, or the mount's hot-tier codec) and/or
+            # sealed (--hot-encrypt): the payload gathered, encoded, sealed, and written as one.
             payload = views[0] if len(views) == 1 else b"".join(views)
             csum = checksum([memoryview(payload)])
             _expected(csum, expect, tmp)
             raw = blockfile.decode_header(header(csum))
-            got = codec.encode_block(raw, payload, self.codec, tiles=self.int8_tiles)
+            got = (codec.encode_block(raw, payload, self.codec, tiles=self.int8_tiles)
+                   if self.codec is not None else None)
+            hdr, stored = got if got is not None else (raw, payload)
+            if self.hot_seal:
+                key_id, ns_key = self.keys.newest()
+                hdr, stored = seal.seal_block(hdr, stored, ns_key, key_id, self.keys.tenant,
+                                              self.keys.namespace)
+                got = (hdr, stored)
             if got is None:  # it does not pay (or a value int8 cannot hold): as it is
                 parts = [header(csum), memoryview(payload), pad]
             else:

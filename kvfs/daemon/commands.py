@@ -190,7 +190,7 @@ class Commands:
         """Thread: None if the block file is sound, else what is wrong with it (read on a
         verified fd of a regular file, bounded by its header)."""
         try:
-            blockfile.decode(self.tree.store.read_block(rel))
+            blockfile.verify_file(self.tree.store.read_block(rel))
         except blockfile.BlockFormatError as exc:
             return str(exc)
         return None

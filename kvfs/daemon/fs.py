@@ -36,6 +36,7 @@ from .governance import Governance
 from .handlers import REQUESTS, handler
 from .handout import Handout
 from .index import FIRST_REAL_INODE, ORPHAN_PARENT, ROOT_INODE, Index, Node
+from .keys import Keyring
 from .openfiles import READ_AHEAD, Handle, OpenFiles, advise, backing_flags, open_ahead, read_disk
 from .promotion import Promotion
 from .reclaim import Reclaim
@@ -65,6 +66,7 @@ class Operations(pyfuse3.Operations):
         owner_uid: int = 0,
         io_threads: int = DEFAULTS["io_threads"],
         tiering: Tiering | None = None,
+        keyring: Keyring | None = None,
         audit: Audit | None = None,
         writeback_cache: bool = DEFAULTS["writeback_cache"],
         keep_cache: bool = DEFAULTS["keep_cache"],
@@ -84,7 +86,7 @@ class Operations(pyfuse3.Operations):
         self.reclaim = Reclaim(tree, self.adoption)
         self.adoption.after_growth = self.reclaim.wake_if_over
         self.promotion = Promotion(tree, self.adoption, self.reclaim)
-        self.governance = tree.governance = Governance(tree, self.reclaim)
+        self.governance = tree.governance = Governance(tree, self.reclaim, keyring)
         self.door = Door(tree, self.files, self.reclaim)
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
         self.xattrs = Xattrs(tree, self.reclaim, commands, self.governance)
@@ -115,9 +117,9 @@ class Operations(pyfuse3.Operations):
             self.tree.nursery = nursery
             self.reclaim.start(nursery)
             nursery.start_soon(self.adoption.run)
+            nursery.start_soon(self.governance.run)
             if self.tree.tiering is not None:
                 nursery.start_soon(self.tree.tiering.run)
-                nursery.start_soon(self.governance.run)
                 if any(t.hands_files for t in self.tree.tiering.tiers):
                     nursery.start_soon(self.handout.run)
 

@@ -45,11 +45,11 @@ REPORT_ERRORS = 20
 
 
 class Governance:
-    def __init__(self, tree: Tree, reclaim: Reclaim) -> None:
+    def __init__(self, tree: Tree, reclaim: Reclaim, keyring: Keyring | None) -> None:
         self.tree = tree
         self.reclaim = reclaim
         self.tiering = tree.tiering
-        self.keyring: Keyring | None = self.tiering.keyring if self.tiering else None
+        self.keyring = keyring
         self.reports: dict[str, dict[str, Any]] = {}
         self._placements: dict[str, tuple[str, ...] | None] = {}
         self._refused: dict[tuple[str, str], float] = {}

@@ -66,6 +66,7 @@ class MountOptions:
     keep_cache: bool = DEFAULTS["keep_cache"]
     passthrough: bool = DEFAULTS["passthrough"]
     encrypt: bool = DEFAULTS["encrypt"]
+    hot_encrypt: bool = DEFAULTS["hot_encrypt"]
     key_file: str = DEFAULTS["key_file"]
     key_command: str | None = DEFAULTS["key_command"]
     key_ttl: float = DEFAULTS["key_ttl"]
@@ -167,10 +168,9 @@ def set_read_ahead(mountpoint: str, kb: int) -> bool:
         return False
 
 
-def make_tiering(opts: MountOptions, state_dir: str | None = None) -> Tiering | None:
+def make_tiering(opts: MountOptions) -> Tiering | None:
     """The lower tiers, in order: the cold directory, then the shared ones (the object
-    stores), with the tenants' keys (``state_dir``: where the hot tier keeps its copies of
-    the wrapped keys) unless ``--no-encrypt``."""
+    stores)."""
     tiers = []
     try:
         if opts.cold:
@@ -181,19 +181,33 @@ def make_tiering(opts: MountOptions, state_dir: str | None = None) -> Tiering | 
         raise MountError(str(exc)) from None
     if not tiers:
         return None
-    tiering = Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
-                      fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
-                      encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none")
-    if opts.encrypt:
-        try:
-            wrapper = keys.wrapper_from(opts.key_file, opts.key_command)
-        except keys.KeyUnavailable as exc:
-            raise MountError(f"{exc} (--no-encrypt stores blocks below the hot tier "
-                             "unencrypted)") from None
-        local = os.path.join(state_dir or os.path.join(opts.backing, ".kvfs"), "keys")
-        tiering.keyring = keys.Keyring(wrapper, local, tiers, ttl=opts.key_ttl,
-                                       reach=tiering.reach)
-    return tiering
+    return Tiering(tiers, trio.CapacityLimiter(32), write_through=opts.write_through,
+                   fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
+                   encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none",
+                   hot_sealed=opts.hot_encrypt)
+
+
+def make_keyring(opts: MountOptions, state_dir: str, tiering: Tiering | None
+                 ) -> keys.Keyring | None:
+    """The tenants' keys (kvfs.daemon.keys), where blocks are sealed: below the hot tier
+    (unless ``--no-encrypt``) and, with ``--hot-encrypt``, in it; the wrapped keys' copies in
+    ``state_dir/keys``."""
+    if opts.hot_encrypt and not opts.encrypt:
+        raise MountError("--hot-encrypt seals the hot tier, --no-encrypt turns sealing off: "
+                         "choose one")
+    if not opts.encrypt or (tiering is None and not opts.hot_encrypt):
+        return None
+    try:
+        wrapper = keys.wrapper_from(opts.key_file, opts.key_command)
+    except keys.KeyUnavailable as exc:
+        raise MountError(f"{exc} (--no-encrypt stores blocks below the hot tier "
+                         "unencrypted)") from None
+    tiers = tiering.tiers if tiering is not None else []
+    ring = keys.Keyring(wrapper, os.path.join(state_dir, "keys"), tiers, ttl=opts.key_ttl,
+                        reach=tiering.reach if tiering is not None else None)
+    if tiering is not None:
+        tiering.keyring = ring
+    return ring
 
 
 def mount_options(debug: bool) -> set[str]:
@@ -219,12 +233,14 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      capacity=opts.capacity, policy=opts.policy,
                      high_watermark=opts.high_watermark, low_watermark=opts.low_watermark,
                      scan_interval=opts.scan_interval, policy_entries=opts.policy_entries,
-                     hot_codec=opts.hot_codec)
+                     hot_codec=opts.hot_codec, hot_encrypt=opts.hot_encrypt)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
-    tiering = make_tiering(opts, os.fsdecode(store.state_dir))
+    tiering = make_tiering(opts)
+    keyring = make_keyring(opts, os.fsdecode(store.state_dir), tiering)
     audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
-                     tiering=tiering, audit=audit, writeback_cache=opts.writeback_cache,
+                     tiering=tiering, keyring=keyring, audit=audit,
+                     writeback_cache=opts.writeback_cache,
                      keep_cache=opts.keep_cache, passthrough=opts.passthrough)
     ops.load_limits()
     metrics = None

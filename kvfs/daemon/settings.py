@@ -178,6 +178,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("encrypt", "bool", True, "seal every block that leaves the hot tier (cold and "
             "shared) with AES-256-GCM under its tenant's key (docs/architecture.md, \"Keys and "
             "placement\")"),
+    Setting("hot_encrypt", "bool", False, "seal the hot tier's blocks too: clients encrypt the "
+            "blocks they save under their tenant's key and loads open them (the backing disk "
+            "then holds no plaintext KV; loads of such blocks take the slower Python path)"),
     Setting("key_file", "str", "/etc/kvfs/kek", "the key-encryption key the tenants' data "
             "keys are wrapped under (made 0600 where absent; every host that shares a tier "
             "needs the same one)"),

@@ -133,6 +133,8 @@ class MountInfo:
     policy_entries: int = DEFAULTS["policy_entries"]
     #: How clients store the blocks they save in the hot tier (kvfs.format.codec.NAMES).
     hot_codec: str = DEFAULTS["hot_codec"]
+    #: Clients seal the blocks they save in the hot tier (kvfs.format.seal).
+    hot_encrypt: bool = DEFAULTS["hot_encrypt"]
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 

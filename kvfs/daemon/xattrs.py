@@ -53,6 +53,8 @@ class Xattrs:
             out[control.BACKING] = tree.store.path(tree.path(node))
         if node.is_dir and node.inode != ROOT_INODE:
             out[control.CODEC] = tree.info.hot_codec.encode()
+            if tree.info.hot_encrypt:
+                out[control.SEAL] = b"1"
         if node.is_dir and tree.tiering is not None:
             out[control.TIERS] = ",".join(t.name for t in tree.tiering.tiers).encode()
         if node.block_hash is not None:

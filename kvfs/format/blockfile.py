@@ -610,6 +610,22 @@ def decode(data: bytes | bytearray | memoryview, *, sums: bool = False
     return h, payload
 
 
+def verify_file(data: bytes | bytearray | memoryview) -> BlockHeader:
+    """Check a whole block file without its key: :func:`decode`'s checks for a plain or
+    encoded block; for a sealed one (kvfs.format.seal) its header, size, padding and the
+    ciphertext's stored checksum (what can be checked without the tenant's key; the tag is
+    checked where it is opened)."""
+    mv = _view(data)
+    h = decode_header(mv)
+    if h.encoding is None or h.encoding.seal is None:
+        return decode(mv)[0]
+    verify_file_size(h, mv.nbytes)
+    end = HEADER_SIZE + h.stored_len
+    verify_stored(h, mv[HEADER_SIZE:end])
+    verify_padding(h, mv[end:])
+    return h
+
+
 def check_head(head: bytes | bytearray | memoryview, size: int,
                block_hash: bytes | None = None) -> BlockHeader:
     """The one check of a block file from its first bytes and its size, without reading its

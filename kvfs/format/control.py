@@ -63,6 +63,8 @@ BACKING = b"user.kvfs.backing"  #: the node's path in the backing tree (the dire
 TIERS = b"user.kvfs.tiers"  #: on a directory: the lower tiers' names, comma-separated
 #: On a directory: how clients store the blocks they save in the hot tier ("planes", "none").
 CODEC = b"user.kvfs.codec"
+#: On a directory, where the mount seals the hot tier's blocks: "1" (clients seal what they save).
+SEAL = b"user.kvfs.seal"
 BLOCK_HASH = b"user.kvfs.block_hash"  #: a block's own hash, hex
 PARENT_HASH = b"user.kvfs.parent_hash"  #: the hash of the block before it in the chain, hex
 USED = b"user.kvfs.used"  #: on a tenant directory: bytes it holds

@@ -15,7 +15,8 @@ moving of blocks between them.
 Daemon side only: the client never imports this package.
 
 Imports: :mod:`kvfs.format`, and of the rest of the daemon only :mod:`kvfs.daemon.backing`
-(its system calls on paths); the rest of the daemon uses the tiers through :mod:`.mover`.
+(its system calls on paths) and, in the mover, :mod:`kvfs.daemon.keys` (sealing and opening
+blocks); the rest of the daemon uses the tiers through :mod:`.mover`.
 """
 
 from __future__ import annotations

@@ -176,17 +176,30 @@ def _put(tier: Tier, key: str, src: Source, encode: bool,
 
 
 def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
-            decode: bool = True, keyring: Keyring | None = None) -> Fetched:
+            decode: bool = True, keyring: Keyring | None = None,
+            keep_sealed: bool = False) -> Fetched:
     """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
     block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
     an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
     a mount whose clients save them encoded keeps them so), never a lossy one (it was saved
-    so). Raises BlockFormatError, KeyUnavailable."""
+    so); ``keep_sealed`` (--hot-encrypt): a sealed block, once it opens, is placed sealed.
+    Raises BlockFormatError, KeyUnavailable."""
     with open(tmp, "rb") as f:
         data = f.read()
     moved = len(data)
     rewrite = False
     head = blockfile.decode_header(data)
+    if seal.is_sealed(head) and keep_sealed and keyring is not None:
+        tenant, ns = key.split("/", 2)[:2]
+        kid = seal.key_id_of(head)
+        assert kid is not None
+        opened = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
+        blockfile.check(blockfile.decode_header(opened),
+                        block_hash=hashing.parse_block_filename(name))
+        uid, gid, mode = owner
+        os.chown(tmp, uid, gid)
+        os.chmod(tmp, mode)
+        return Fetched(0, head, len(data), moved)
     if seal.is_sealed(head):
         if keyring is None:
             raise blockfile.BlockFormatError("sealed", "an encrypted block, and this mount "
@@ -218,12 +231,14 @@ class Tiering:
     def __init__(self, tiers: list[Tier], limiter: trio.CapacityLimiter, *,
                  write_through: bool = True, fetch_timeout: float | None = None,
                  breaker_threshold: int = 3, breaker_cooldown: float = 10.0,
-                 encode: bool = True, hot_encoded: bool = False,
+                 encode: bool = True, hot_encoded: bool = False, hot_sealed: bool = False,
                  keyring: Keyring | None = None,
                  placement: Callable[[str], frozenset[str] | None] | None = None) -> None:
         self.tiers = tiers
         #: The tenants' keys: blocks are sealed before they are put below (None: plaintext).
         self.keyring = keyring
+        #: The hot tier keeps blocks sealed (--hot-encrypt): a fetched one is placed so.
+        self.hot_sealed = hot_sealed
         #: A tenant's placement: the names of the tiers its blocks may reach (None: all).
         self.placement = placement or (lambda tenant: None)
         #: Told (tenant, tier name) of each block not put in a tier outside its placement.
@@ -355,7 +370,7 @@ class Tiering:
                     if not tier.get(key, tmp):
                         return None
                     fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded,
-                                      keyring=self.keyring)
+                                      keyring=self.keyring, keep_sealed=self.hot_sealed)
                     return handoff.place(tmp, put, fetched)
                 finally:
                     if os.path.exists(tmp):
