@@ -245,7 +245,7 @@ def wait_key(s3, prefix: str, seconds: float) -> list[str]:  # noqa: F811
     deadline = time.monotonic() + seconds
     while True:
         keys = [o["Key"] for o in client.list_objects_v2(Bucket=s3.bucket).get("Contents", [])]
-        found = [k for k in keys if f"/{prefix}" in f"/{k}"]
+        found = [k for k in keys if f"/{prefix}" in f"/{k}" and "/.kvfs/keys/" not in f"/{k}"]
         if found or time.monotonic() > deadline:
             return found
         time.sleep(0.2)

@@ -654,5 +654,11 @@ Llama-3-8B's (128 KiB per token).
   accepts connections and never answers), then while the S3 server is stopped (connections
   refused), and on after the store answers again until a few requests have hit fully. No
   request may wait past the fetch deadline; the circuit breaker makes the following ones cheap;
-  hits must come back within the cooldown plus a deadline.""", figure_table, ("ratio",),
+  hits must come back within the cooldown plus a deadline.
+- **Encryption at rest** (`--figures seal`): two more writers publish the same blocks to the
+  bucket, one sealing them (the default) and one with `--no-encrypt`, and two fresh readers
+  restore them; publishes timed from the save to the last upload, then the restores in rounds
+  of sealed, plain, plain, sealed (the first restore after another ran slower, whichever it
+  was). Beside the ratio, the bound of a sealed restore here: the plain restore plus opening
+  the same bytes (AES-256-GCM and the payload's xxh3) on one core.""", figure_table, ("ratio",),
             shown=("store_start_s",), plot=draw)
