@@ -29,6 +29,7 @@ from . import (
     plot,
     restore,
     s3clients,
+    serve_report,
     tiers,
 )
 from .records import (  # noqa: F401 - ReportError, command_line, conditions_text: the API
@@ -74,7 +75,7 @@ it says so and exits. (Its JSON output is not yet a record of this page: a recor
 #: Every kind, in the order of the document.
 KINDS: list[Kind] = [crossover.KIND, restore.KIND, hitrate.KIND, degraded.KIND, tiers.KIND,
                      mount.KIND, TRACE, engine.KIND, backends.KIND, GPU, door.KIND,
-                     s3clients.KIND, codecs.KIND]
+                     s3clients.KIND, codecs.KIND, serve_report.KIND]
 BY_NAME = {k.name: k for k in KINDS}
 
 

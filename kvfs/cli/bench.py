@@ -130,6 +130,40 @@ def cmd_bench_crossover(args: argparse.Namespace) -> int:
     return crossover.main(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    import shutil  # noqa: PLC0415
+
+    from ..bench import serve  # noqa: PLC0415
+
+    if args.quick:  # every figure, in a few minutes: CI's form
+        args.workloads = args.workloads or ["agentic"]
+        args.concurrency = args.concurrency or [1, 4]
+        args.requests = args.requests or 12
+        args.sessions = args.sessions or 4
+        args.turns = 3.0
+        args.max_model_len = min(args.max_model_len, 2048)
+        args.kv_blocks = min(args.kv_blocks, args.max_model_len // args.block_size + 2)
+    args.workloads = args.workloads or ["agentic", "mooncake"]
+    args.concurrency = sorted(set(args.concurrency or [1, 4, 16, 32]))
+    args.requests = args.requests or 96
+    args.sessions = args.sessions or 32
+    if any(c < 1 for c in args.concurrency) or args.requests < 1:
+        raise CliError("--concurrency and --requests must be at least 1", EXIT_USAGE)
+    if "kvfs_s3" in args.conditions and "kvfs" not in args.conditions:
+        raise CliError("the kvfs_s3 condition replays what the kvfs condition's server saved: "
+                       "give both", EXIT_USAGE)
+    if "mooncake" in args.workloads and not os.path.isfile(args.trace):
+        raise CliError(f"no Mooncake trace {args.trace} (--trace)", EXIT_USAGE)
+    if (args.kv_blocks - 1) * args.block_size < args.max_model_len:  # one block is vLLM's
+        raise CliError("vLLM's KV cache (--kv-blocks x --block-size tokens) must hold one "
+                       "request of --max-model-len tokens, and one block more", EXIT_USAGE)
+    if "kvfs" in args.conditions and (not os.path.exists("/dev/fuse")
+                                      or shutil.which("fusermount3") is None):
+        raise CliError("kvfs bench serve mounts kvfs: it needs /dev/fuse and fusermount3",
+                       EXIT_USAGE)
+    return serve.main(args)
+
+
 def cmd_bench_engine(args: argparse.Namespace) -> int:
     import shutil  # noqa: PLC0415
 
@@ -363,6 +397,52 @@ def register(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--dir", default=".", help="where to put the mount (default: here)")
     add_output_args(be)
     be.set_defaults(func=cmd_bench_engine)
+
+    bs = bsub.add_parser("serve", help="a real vLLM server under concurrent load, its KV "
+                         "cache held small: alone, with kvfs, and a 2nd host restoring from S3")
+    bs.add_argument("--quick", action="store_true",
+                    help="every figure in a few minutes (one workload, concurrency 1 and 4)")
+    bs.add_argument("--workload", dest="workloads", action="append",
+                    choices=["agentic", "mooncake"], help="agentic, mooncake (default: both)")
+    bs.add_argument("--concurrency", type=int, nargs="+",
+                    help="concurrent sessions / requests in flight (1 4 16 32)")
+    bs.add_argument("--conditions", nargs="+", default=["alone", "kvfs", "kvfs_s3"],
+                    choices=["alone", "kvfs", "kvfs_s3"], help="alone kvfs kvfs_s3 (all)")
+    bs.add_argument("--requests", type=int, help="requests per run (96)")
+    bs.add_argument("--sessions", type=int,
+                    help="agentic sessions per run, at least the concurrency (32)")
+    bs.add_argument("--turns", type=float, default=6.0, help="agentic turns per session, "
+                    "mean (6)")
+    bs.add_argument("--trace", default=os.path.join("tests", "data", "mooncake_head.jsonl"),
+                    help="the Mooncake-format trace (the repo's first requests of the "
+                         "published one)")
+    bs.add_argument("--output-tokens", type=int, default=8, dest="output_tokens",
+                    help="tokens generated per request (8: prefill is what is measured)")
+    bs.add_argument("--kv-blocks", type=int, default=48, dest="kv_blocks",
+                    help="vLLM's own KV cache, in blocks (48)")
+    bs.add_argument("--block-size", type=int, default=128, dest="block_size",
+                    help="tokens per block, vLLM's and the trace's (128)")
+    bs.add_argument("--max-model-len", type=int, default=4096, dest="max_model_len")
+    bs.add_argument("--lookup-budget", type=float, default=1.0, dest="lookup_budget",
+                    help="the connector's lookup budget for lower tiers, seconds (1)")
+    bs.add_argument("--fetch-timeout", type=float, default=2.0, dest="fetch_timeout",
+                    help="the mounts' fetch deadline, seconds (2)")
+    bs.add_argument("--slow-ms", type=float, default=50.0, dest="slow_ms",
+                    help="added before each answer of the slowed store, ms (50)")
+    bs.add_argument("--seed", type=int, default=0)
+    bs.add_argument("--python", default=os.path.join(".venv-vllm", "bin", "python"),
+                    help="the vLLM venv's interpreter (tools/setup_vllm.sh makes it)")
+    bs.add_argument("--model", default=os.path.join(".cache", "models",
+                                                    "smollm2-135m-instruct"))
+    bs.add_argument("--start-timeout", type=float, default=600.0, dest="start_timeout",
+                    help="seconds a server may take to start (600)")
+    bs.add_argument("--run-timeout", type=float, default=3600.0, dest="run_timeout",
+                    help="seconds one run of the load generator may take (3600)")
+    bs.add_argument("--keep", action="store_true", help="keep the work directory")
+    bs.add_argument("--note", default="", help="a word on the conditions, kept in the record")
+    bs.add_argument("--dir", default=".", help="where to put the mounts (default: here)")
+    add_output_args(bs)
+    bs.set_defaults(func=cmd_bench_serve)
 
     bd = bsub.add_parser("degraded", help="tail latency of loads on misses: no lower tier, "
                          "a slow one, a dead one")

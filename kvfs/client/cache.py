@@ -133,6 +133,7 @@ class KVCache(Saving, Loading):
         verify: str = "full",
         fsync: bool = False,
         max_pending_saves: int = 8,
+        loads_here: bool = True,
     ) -> None:
         if verify not in ("full", "sampled"):
             raise ValueError(f"verify must be 'full' or 'sampled', got {verify!r}")
@@ -161,7 +162,10 @@ class KVCache(Saving, Loading):
         # GETs from a shared tier wait on the network, not the CPU: as many as its store
         # serves well at once.
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvfs-get")
-        self._grants = True  # the daemon answers grants (False once it refused one)
+        # The daemon answers grants (False once it refused one). What a grant leaves (answered
+        # GETs, handed-out files) is this process's: where the loads run in another
+        # (``loads_here`` False), the daemon places the blocks hot instead.
+        self._grants = loads_here
         self._saves: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self._save_slots = threading.BoundedSemaphore(max_pending_saves)
         self._writer: threading.Thread | None = None
@@ -196,7 +200,10 @@ class KVCache(Saving, Loading):
         ("posix" / "kvikio"; default $KVFS_IO, else automatic), ``threads`` (I/O pool size,
         default min(32, 4 * cpus)), ``verify`` ("full" / "sampled"), ``fsync`` (fsync each
         block before renaming it into place; default off), ``max_pending_saves`` (the
-        :meth:`save_async` queue bound, default 8).
+        :meth:`save_async` queue bound, default 8), ``loads_here`` (default True: the loads
+        that follow this cache's lookups run in this process; False, for a vLLM scheduler
+        whose workers are other processes: a lookup of blocks below the hot tier has the
+        daemon place them hot, read by name by the process that loads them).
         """
         mount = os.fspath(mount)
         tenant_dir = os.path.join(mount, tenant)

