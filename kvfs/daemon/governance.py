@@ -103,6 +103,9 @@ class Governance:
             except (KeyUnavailable, TierError, OSError) as exc:
                 log.warning("keys: %s", exc)
                 continue
+            except Exception:  # noqa: BLE001 - a background task: its end would end the mount
+                log.exception("keys: refreshing failed")
+                continue
             for tenant, at_ns in forgotten.items():
                 if tenant in self.reports:
                     continue  # forgotten here
@@ -121,6 +124,9 @@ class Governance:
         except (KeyUnavailable, OSError) as exc:
             log.error("tenant %s has no key, so none of its blocks leaves the hot tier: %s",
                       tenant, exc)
+        except Exception:  # noqa: BLE001 - started by a mkdir: its end would end the mount
+            log.exception("tenant %s has no key, so none of its blocks leaves the hot tier",
+                          tenant)
 
     async def client_keys(self, node: Node, want: int | None = None) -> bytes:
         """The :data:`~kvfs.format.control.KEYS` answer for a namespace directory (the kernel

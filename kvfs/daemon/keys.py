@@ -203,19 +203,20 @@ class Keyring:
     def _local_path(self, key: str) -> str:
         return os.path.join(self.local, key[len(KEYS_PREFIX):].replace("/", "%"))
 
-    def _call(self, i: int, fn: Callable[..., Any], *args: Any) -> Any:
+    def _call(self, i: int, fn: Callable[..., Any], *args: Any, what: str = "keys") -> Any:
         """``fn(*args)`` against tier ``i`` within :attr:`deadline` seconds; TierError when it
         ran past it (the call is left to end in its thread) or while the tier is skipped."""
         name = self.tiers[i].name
         if self._down.get(i, 0.0) > time.monotonic():
-            raise TierError(f"{name} tier: skipped for key objects (it did not answer "
-                            f"within {self.deadline:g} s a moment ago)")
+            raise TierError(name, "call", what, f"skipped for key objects (it did not "
+                            f"answer within {self.deadline:g} s a moment ago)")
         future = self._calls.submit(fn, *args)
         try:
             return future.result(timeout=self.deadline)
         except FutureTimeout:
             self._down[i] = time.monotonic() + TIER_COOLDOWN
-            raise TierError(f"{name} tier: no answer within {self.deadline:g} s") from None
+            raise TierError(name, "call", what,
+                            f"no answer within {self.deadline:g} s") from None
 
     def _put(self, key: str, data: bytes, tiers: list[int]) -> list[str]:
         """Store one key object locally and in ``tiers``: the tiers it could not reach."""
