@@ -17,8 +17,9 @@ if [ "$#" -gt 0 ]; then exec .venv/bin/python -m pytest -q "$@"; fi
 .venv/bin/python -m pytest -q
 # The fallback door: the same mount tests again with the daemon serving every byte, as it
 # does where the kernel or the privileges refuse FUSE passthrough (the engines' own tests
-# start their mounts themselves and ran above).
+# and `kvfs bench serve` start their mounts themselves and ran above).
 echo "tools/test.sh: the mount tests again with --no-passthrough"
 KVFS_TEST_MOUNT_ARGS=--no-passthrough exec .venv/bin/python -m pytest -q -m mount \
   --ignore=tests/test_vllm.py --ignore=tests/test_sglang.py --ignore=tests/test_lmcache.py \
-  --ignore=tests/test_engines.py --ignore=tests/test_integrations.py
+  --ignore=tests/test_engines.py --ignore=tests/test_integrations.py \
+  --ignore=tests/test_bench_serve.py

@@ -128,6 +128,11 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
         if ceil:
             ax_hit.plot([c for c, _ in ceil], [x * 100 for _, x in ceil], "k:",
                         label="ceiling (unbounded cache)")
+        saved = sorted((r["concurrency"], r["saved_ceiling"]) for r in mine
+                       if r.get("condition") == "kvfs_s3")
+        if saved:
+            ax_hit.plot([c for c, _ in saved], [x * 100 for _, x in saved], "g:",
+                        label="2nd host's ceiling (all the 1st saved)")
         for ax, ylabel in ((ax_hit, "prompt tokens from cache (%)"),
                            (ax_ttft, "TTFT p50 (ms)")):
             ax.set_xscale("log", base=2)
