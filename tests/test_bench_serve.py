@@ -98,7 +98,8 @@ def test_bench_serve_quick_produces_every_figure(tmp_path):
     assert by[("kvfs", 4)]["external_hit_rate"] > 0
     s3 = by[("kvfs_s3", 4)]
     assert s3["external_hit_rate"] > 0.5 * s3["saved_ceiling"], s3
-    assert s3["kvfs"].get("s3.grants", 0) + s3["kvfs"].get("s3.hits", 0) > 0, s3["kvfs"]
+    assert sum(v for k, v in s3["kvfs"].items()
+               if k.endswith((".hits", ".grants"))) > 0, s3["kvfs"]  # B read the bucket
     assert record["daemon_tracebacks"] == {"a": 0, "b": 0}
     v = {x["target"]: x for x in record["verdicts"]}
     assert v["every figure produced"]["ok"], v
