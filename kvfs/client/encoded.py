@@ -52,14 +52,7 @@ def decode_landed(hdr: BlockHeader, views: Sequence[memoryview], total: int,
     if seal.is_sealed(hdr):
         seal.open_landed(hdr, views, _key(hdr, keys), *_names(keys))
         return
-    stored = bytearray(hdr.stored_len)
-    at = 0
-    for v in views:
-        take = min(v.nbytes, hdr.stored_len - at)
-        stored[at:at + take] = v[:take]
-        at += take
-        if at == hdr.stored_len:
-            break
+    stored = codec.gather(views, hdr.stored_len)
     codec.decode_payload(hdr, stored, list(views))
 
 

@@ -154,6 +154,20 @@ def raw_file(h: BlockHeader, payload: Any) -> bytes:
     return b"".join((blockfile.encode_header(replace(h, encoding=None)), payload, pad))
 
 
+def gather(views: Any, n: int) -> bytearray:
+    """The first ``n`` bytes that landed across ``views``, in order, copied into one buffer
+    (a stored payload read into its block's destination, to be decoded back into it)."""
+    out = bytearray(n)
+    at = 0
+    for v in views:
+        take = min(v.nbytes, n - at)
+        out[at:at + take] = v[:take]
+        at += take
+        if at == n:
+            break
+    return out
+
+
 def decode_payload(h: BlockHeader, stored: Any, dest: Any = None, *,
                    stored_checked: bool = False) -> Any:
     """Decode a version 3 block's stored bytes (after checking their length and checksum)

@@ -246,13 +246,6 @@ def open_landed(h: BlockHeader, views: Sequence[memoryview], ns_key: bytes, tena
     if e.codec == blockfile.CODEC_NONE:  # decrypted where it landed, its checksum checked
         open_in_place(h, list(views), ns_key, tenant, namespace)
         return
-    stored = bytearray(e.stored_len)
-    at = 0
-    for v in views:
-        take = min(v.nbytes, e.stored_len - at)
-        stored[at:at + take] = v[:take]
-        at += take
-        if at == e.stored_len:
-            break
+    stored = codec.gather(views, e.stored_len)
     opened = open_in_place(h, stored, ns_key, tenant, namespace)
     codec.decode_payload(opened, stored, list(views), stored_checked=True)
