@@ -106,3 +106,26 @@ def test_bench_serve_quick_produces_every_figure(tmp_path):
     assert record["plot"] == "serve.png" and (tmp_path / "serve.png").exists()
     lines = serve_report.report_table(record)
     assert any("2nd host, store down" in line for line in lines)
+
+
+def test_every_condition_replays_the_same_plans_and_only_the_top_is_degraded(tmp_path):
+    from types import SimpleNamespace
+
+    from kvfs.bench import serve
+
+    args = SimpleNamespace(workloads=["agentic", "mooncake"], concurrency=[1, 4],
+                           conditions=["alone", "kvfs", "kvfs_s3"], sessions=4, turns=3.0,
+                           block_size=128, max_model_len=2048, output_tokens=8,
+                           prefix_blocks=2, seed=0, requests=12, trace=str(TRACE))
+    todo, loads = serve.plans(args, tmp_path)
+    assert [(p.workload, p.concurrency, p.fault) for p in todo] == [
+        ("agentic", 1, ""), ("agentic", 4, ""), ("agentic", 4, "kvfs_s3_slow"),
+        ("agentic", 4, "kvfs_s3_down"), ("mooncake", 1, ""), ("mooncake", 4, "")]
+    ids = [{h for r in p.reqs for h in r.hash_ids} for p in todo]
+    assert all(not a & b for i, a in enumerate(ids) for b in ids[i + 1:])
+    assert all(Path(p.trace).is_file() for p in todo) and set(loads) == {"agentic", "mooncake"}
+    # the agents' shared prefixes take what the option says
+    two = wl.agentic(1, sessions=3, turns=2, block=128, max_len=2048, output=8)
+    eight = wl.agentic(1, sessions=3, turns=2, block=128, max_len=2048, output=8,
+                       prefix_blocks=8)
+    assert sum(r.input_length for r in eight) > sum(r.input_length for r in two)

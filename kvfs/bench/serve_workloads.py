@@ -27,16 +27,18 @@ MOONCAKE_BLOCK = 512
 
 
 def agentic(concurrency: int, *, sessions: int, turns: float, block: int, max_len: int,
-            output: int, seed: int = 0) -> list[Request]:
+            output: int, prefix_blocks: int = 2, seed: int = 0) -> list[Request]:
     """Agent sessions as kvfs's generator makes them (kvfs.models.trace.agentic_trace),
-    scaled to a small model's context: three agents' shared prefixes of 8 blocks (system
-    prompt and tools), a first message of ~3 blocks, ~1.5 blocks more per turn, compacted at
-    the context limit; ``concurrency`` sessions interleaved (closed loop), answers of
-    ``output`` tokens."""
-    reqs = agentic_trace(sessions=sessions, turns=turns, prefix_tokens=8 * block, agents=3,
-                         block_tokens=block, first_tokens=3 * block, turn_tokens=block * 3 // 2,
-                         output_tokens=output, max_context=max_len - output - 1,
-                         concurrency=concurrency, idle_prob=0.0, seed=seed)
+    scaled to a small model's context: three agents' shared prefixes (system prompt and
+    tools) of ``prefix_blocks`` blocks (2 of a 16-block context: about the share a coding
+    agent's ~20k tokens of prompt and tools take of its 160-200k context), a first message
+    of ~3 blocks, ~1.5 blocks more per turn, compacted at the context limit;
+    ``concurrency`` sessions interleaved (closed loop), answers of ``output`` tokens."""
+    reqs = agentic_trace(sessions=sessions, turns=turns, prefix_tokens=prefix_blocks * block,
+                         agents=3, block_tokens=block, first_tokens=3 * block,
+                         turn_tokens=block * 3 // 2, output_tokens=output,
+                         max_context=max_len - output - 1, concurrency=concurrency,
+                         idle_prob=0.0, seed=seed)
     for r in reqs:
         r.output_length = output
     return reqs

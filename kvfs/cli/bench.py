@@ -147,8 +147,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     args.concurrency = sorted(set(args.concurrency or [1, 4, 16, 32]))
     args.requests = args.requests or 96
     args.sessions = args.sessions or 32
-    if any(c < 1 for c in args.concurrency) or args.requests < 1:
-        raise CliError("--concurrency and --requests must be at least 1", EXIT_USAGE)
+    if any(c < 1 for c in args.concurrency) or args.requests < 1 or args.prefix_blocks < 0:
+        raise CliError("--concurrency and --requests must be at least 1 (--prefix-blocks "
+                       "at least 0)", EXIT_USAGE)
     if "kvfs_s3" in args.conditions and "kvfs" not in args.conditions:
         raise CliError("the kvfs_s3 condition replays what the kvfs condition's server saved: "
                        "give both", EXIT_USAGE)
@@ -413,6 +414,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="agentic sessions per run, at least the concurrency (32)")
     bs.add_argument("--turns", type=float, default=6.0, help="agentic turns per session, "
                     "mean (6)")
+    bs.add_argument("--prefix-blocks", type=int, default=2, dest="prefix_blocks",
+                    help="blocks of each agent's shared system prompt and tools (2)")
     bs.add_argument("--trace", default=os.path.join("tests", "data", "mooncake_head.jsonl"),
                     help="the Mooncake-format trace (the repo's first requests of the "
                          "published one)")
