@@ -13,6 +13,7 @@ Without .venv-vllm these tests skip, saying why; in CI (CI=true) they fail inste
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -172,8 +173,21 @@ def spec_of(record: dict) -> kv.ModelSpec:
     return kv.ModelSpec.from_manifest(json.dumps(record["spec"]).encode())
 
 
+@pytest.fixture(scope="module")
+def oracle(work: Path) -> tuple[Path, dict]:
+    """vLLM's ExampleConnector, A then B (its own prefix cache off, so that B restores from
+    the connector), in one process: its storage and B's request."""
+    storage = work / "example"
+    storage.mkdir()
+    ex = engine(work, "--connector", "example", "--storage", str(storage), "--no-prefix-cache",
+                "--prompt-file", str(work / "a.json"), "--prompt-file", str(work / "b.json"))
+    ex_b = ex["requests"][1]
+    assert ex_b["cached_tokens"] == HIT_BLOCKS * BLOCK, "the oracle did not restore"
+    return storage, ex_b
+
+
 @pytest.mark.mount
-def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, saved):
+def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, saved, oracle):
     m, a = saved
     assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
     assert a["scheduler"]["hit_blocks"] == 0
@@ -194,14 +208,7 @@ def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, sav
     # kvfs's own counters, per tenant and model, count the same.
     ns = m.stats()["tenants"]["acme"][b["namespace"]]
     assert ns["hit_blocks"] >= HIT_BLOCKS and ns["checksum_failures"] == 0
-    # The oracle: vLLM's ExampleConnector, A then B (its own prefix cache off, so that B
-    # restores from the connector), in one process.
-    storage = work / "example"
-    storage.mkdir()
-    ex = engine(work, "--connector", "example", "--storage", str(storage), "--no-prefix-cache",
-                "--prompt-file", str(work / "a.json"), "--prompt-file", str(work / "b.json"))
-    ex_b = ex["requests"][1]
-    assert ex_b["cached_tokens"] == HIT_BLOCKS * BLOCK, "the oracle did not restore"
+    storage, ex_b = oracle
     assert req["token_ids"] == ex_b["token_ids"], (req["text"], ex_b["text"])
     # Bit for bit: the pages B loaded are A's KV as vLLM's own connector extracted it
     # (per layer [tokens, heads, 2 * head_dim] in the CPU layout [blocks, heads, block,
@@ -267,6 +274,12 @@ def test_an_int8_namespace_is_its_own_and_restores(work, saved):
     from kvfs.format import blockfile
 
     m, a = saved
+    if a["spec"]["extras"]["page_layout"] == "cpu-amx":
+        # vLLM's AMX attention packs keys and values in tiles whose groups would span tokens:
+        # refused at start, naming the way out; nothing is saved.
+        res = engine(work, *kvfs_args(m.mnt, kv_codec="int8"), check=False)
+        assert res.returncode != 0 and "use kv_codec exact" in res.stderr, res.stderr[-3000:]
+        return
     first = engine(work, *kvfs_args(m.mnt, kv_codec="int8"))
     assert first["scheduler"]["hit_blocks"] == 0
     assert first["spec"]["extras"]["kv_codec"] == "int8"
@@ -343,26 +356,35 @@ def _a_hashes(a: dict) -> list[bytes]:
 
 
 @pytest.mark.mount
-def test_two_mounts_sharing_s3_restore_each_others_context(work, s3):  # noqa: F811
+def test_prefill_on_one_host_decode_on_two_others_at_once_through_s3(work, s3, oracle):  # noqa: F811
+    """Three hosts (their own daemons and backing directories) share one bucket: A serves
+    the prompt and saves it; B and C, at the same time, each restore it from the shared tier
+    and answer as vLLM's own ExampleConnector does."""
     mounts = _Mounts(work / "s3mounts")
     try:
         extra = ["--shared", s3.url, "--fetch-timeout", "10", "--tier-cooldown", "1"]
-        m1, m2 = mounts.make("a", extra), mounts.make("b", extra)
+        m1, m2, m3 = (mounts.make(name, extra) for name in ("a", "b", "c"))
         a = engine(work, *kvfs_args(m1.mnt), "--prompt-file", str(work / "a.json"))
         assert a["worker"]["client"]["saved_blocks"] == HIT_BLOCKS
         _wait_uploaded(s3, a["namespace"], HIT_BLOCKS)
-        b = engine(work, *kvfs_args(m2.mnt, lookup_budget_s=60))
-        assert b["scheduler"]["hit_blocks"] == HIT_BLOCKS
-        assert b["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
-        st = m2.stats()
-        assert st["tenants"]["acme"][b["namespace"]]["promotions"] == HIT_BLOCKS
-        # One pass: the engine's client fetched each object itself with the URL its daemon
-        # granted (the daemon fetched none) and wrote the hot copies behind.
-        assert st["tiers"][0]["grants"] == HIT_BLOCKS and st["tiers"][0]["hits"] == 0
-        assert b["worker"]["client"]["remote_blocks"] == HIT_BLOCKS
-        # The promotion ran while the request waited: the scheduler was told "not yet" (None)
-        # rather than kept waiting for the tier.
-        assert b["scheduler"]["deferred"] >= 1
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            b, c = pool.map(lambda m: engine(work, *kvfs_args(m.mnt, lookup_budget_s=60)),
+                            (m2, m3))
+        for rec, m in ((b, m2), (c, m3)):
+            assert rec["scheduler"]["hit_blocks"] == HIT_BLOCKS
+            assert rec["requests"][0]["cached_tokens"] == HIT_BLOCKS * BLOCK
+            w = rec["worker"]["connector"]
+            assert w["loaded_blocks"] == HIT_BLOCKS and w.get("failed_blocks", 0) == 0, w
+            assert rec["requests"][0]["token_ids"] == oracle[1]["token_ids"]
+            st = m.stats()
+            assert st["tenants"]["acme"][rec["namespace"]]["promotions"] == HIT_BLOCKS
+            # One pass: the engine's client fetched each object itself with the URL its
+            # daemon granted (the daemon fetched none) and wrote the hot copies behind.
+            assert st["tiers"][0]["grants"] == HIT_BLOCKS and st["tiers"][0]["hits"] == 0
+            assert rec["worker"]["client"]["remote_blocks"] == HIT_BLOCKS
+            # The promotion ran while the request waited: the scheduler was told "not yet"
+            # (None) rather than kept waiting for the tier.
+            assert rec["scheduler"]["deferred"] >= 1
     finally:
         problems = mounts.close()
     if problems:

@@ -303,9 +303,12 @@ def fuse_available() -> str | None:
     return None
 
 
-def run_kvfs(*args: str, check: bool = True, **kw: Any) -> subprocess.CompletedProcess:
-    """``kvfs ARGS`` as a subprocess of this interpreter; KvfsError when it fails (check)."""
-    res = subprocess.run([*KVFS, *map(str, args)], capture_output=True, text=True, **kw)
+def run_kvfs(*args: str, check: bool = True, prefix: Sequence[str] = (),
+             **kw: Any) -> subprocess.CompletedProcess:
+    """``kvfs ARGS`` as a subprocess of this interpreter (behind ``prefix``, a command such
+    as ``nsenter --net=...``); KvfsError when it fails (check)."""
+    res = subprocess.run([*prefix, *KVFS, *map(str, args)], capture_output=True, text=True,
+                         **kw)
     if check and res.returncode != 0:
         raise KvfsError(f"kvfs {' '.join(map(str, args))} failed ({res.returncode}):\n"
                         f"{res.stdout}\n{res.stderr}")
@@ -355,6 +358,9 @@ class Mount:
     name: str = ""
     #: The key-encryption key (``--key-file``) unless ``extra`` names one (None: the default).
     key_file: str | None = None
+    #: A command the daemon is started behind, e.g. ``nsenter --net=/run/netns/NAME`` for a
+    #: host of its own on the network.
+    prefix: list[str] = field(default_factory=list)
 
     @classmethod
     def under(cls, base: str | Path, extra: Sequence[str] = (), **kw: Any) -> Mount:
@@ -374,7 +380,7 @@ class Mount:
                 or any(a in ("--key-file", "--key-command") for a in self.extra)
                 else ["--key-file", self.key_file])
         run_kvfs("mount", self.backing, self.mnt, "--log", self.log, *self.extra, *keys,
-                 env=self.env, timeout=timeout)
+                 env=self.env, timeout=timeout, prefix=self.prefix)
         dt = time.perf_counter() - t
         if not os.path.ismount(self.mnt):
             raise KvfsError(f"kvfs mount returned but {self.mnt} is not a mount point")
@@ -509,7 +515,8 @@ def drop_caches(level: int = 3, daemon_pid: int | None = None) -> bool:
 
 
 class FaultProxy:
-    """A loopback TCP proxy to ``target`` (host, port), a thread pair per connection.
+    """A TCP proxy to ``target`` (host, port) listening on ``host`` (loopback by default), a
+    thread pair per connection.
 
     ``mode`` "forward" passes bytes on: ``delay`` seconds are added before each chunk a client
     sends is passed on (one request of an HTTP client that waits for its answer is one
@@ -522,13 +529,15 @@ class FaultProxy:
     """
 
     def __init__(self, target: tuple[str, int] | None = None, *, mode: str = "forward",
-                 delay: float = 0.0, latency: float = 0.0, bandwidth: float = 0.0) -> None:
+                 delay: float = 0.0, latency: float = 0.0, bandwidth: float = 0.0,
+                 host: str = "127.0.0.1") -> None:
         if mode not in ("forward", "silent") or (mode == "forward" and target is None):
             raise ValueError(f"bad proxy mode {mode!r} / target {target!r}")
         self.target, self.mode = target, mode
         self.delay, self.latency, self.bandwidth = delay, latency, bandwidth
         self.connections = self.requests = self.swallowed = self.refused = 0
-        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.host = host  # the address it listens on
+        self._listener = socket.create_server((host, 0), backlog=256)
         self.port = self._listener.getsockname()[1]
         self._socks: list[socket.socket] = []
         self._lock = threading.Lock()
@@ -537,7 +546,7 @@ class FaultProxy:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def _keep(self, s: socket.socket) -> bool:
         with self._lock:

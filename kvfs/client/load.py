@@ -355,8 +355,16 @@ class Loading(Layouts):
                 grants[i].close()  # past a block that failed: not read
                 return
             headers[i] = bytearray(blockfile.HEADER_SIZE)
-            o = outcomes[i] = self._read_remote(i, hashes[i], views_of(i), prefix,
-                                                headers[i], grants[i])
+            try:
+                o = self._read_remote(i, hashes[i], views_of(i), prefix, headers[i], grants[i])
+            except Exception as exc:  # noqa: BLE001 - a defect: said, and the block a miss
+                log.exception("fetching block %s into %s failed", hashes[i].hex(), self.ns_dir)
+                grants[i].close()
+                prefix.fail(i)
+                for t in tensors_of(i):  # nothing of it is left to be taken for KV
+                    t.zero_()
+                o = _Outcome(error=exc)
+            outcomes[i] = o
             if o.ok and not own:  # copied while the bytes are in this core's cache
                 copies[i] = [torch.cat([t.reshape(-1).view(torch.uint8)
                                         for t in tensors_of(i)])]

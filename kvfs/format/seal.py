@@ -138,16 +138,15 @@ def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str, names
                  modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
     dec.authenticate_additional_data(aad)
     plain = xxhash.xxh3_64()
+    # Each piece is decrypted into a scratch buffer (the library refuses overlapping input
+    # and output) and copied back while both are in the core's cache.
+    scratch = memoryview(bytearray(PIECE + TAG_BYTES))
     for v in views:
-        n, at = v.nbytes, 0
-        while at < n:
-            end = min(at + PIECE, n - TAG_BYTES) if n - at > PIECE // 4 else n
-            if end + TAG_BYTES <= n:  # update_into wants room for a block more than it writes
-                dec.update_into(v[at:end], v[at:end + TAG_BYTES])
-            else:
-                v[at:end] = dec.update(bytes(v[at:end]))
-            plain.update(v[at:end])
-            at = end
+        for at in range(0, v.nbytes, PIECE):
+            piece = v[at:at + PIECE]
+            got = dec.update_into(piece, scratch)  # GCM is a stream: as many bytes as given
+            piece[:] = scratch[:got]
+            plain.update(piece)
     try:
         dec.finalize()
     except InvalidTag:

@@ -66,16 +66,33 @@ def model_spec(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, extra: d
     from vllm.platforms import current_platform
 
     lossy = extra.get("kv_codec", "exact")
+    device = str(current_platform.device_type)
+    layout = {"page_layout": _cpu_page_layout(kspec.dtype, int(kspec.block_size),
+                                              int(kspec.head_size), str(cc.cache_dtype))
+              } if device == "cpu" else {}
     return ModelSpec(
         model=model, revision=str(revision), kv_dtype=_dtype_name(kspec.dtype),
         block_size=int(kspec.block_size), num_layers=len(groups[0].layer_names),
         num_kv_heads=int(kspec.num_kv_heads), head_dim=int(kspec.head_size),
         tp_size=int(pc.tensor_parallel_size), tp_rank=tp_rank,
         extras={"engine": "vllm", "model_dtype": _dtype_name(mc.dtype),
-                "cache_dtype": str(cc.cache_dtype), "device": str(current_platform.device_type),
-                "kv_layout": str(kv_cache_config.kv_cache_layout or ""),
+                "cache_dtype": str(cc.cache_dtype), "device": device,
+                "kv_layout": str(kv_cache_config.kv_cache_layout or ""), **layout,
                 **({} if lossy == "exact" else {codec.SPEC_KEY: lossy})})
 
+
+def _cpu_page_layout(dtype: Any, block_size: int, head_size: int, cache_dtype: str) -> str:
+    """How vLLM's CPU attention lays out a page, which the instruction set it picks decides
+    (on an AMX host keys and values are packed in tiles, elsewhere in rows): pages saved on
+    one host are KV only for hosts that pick the same one."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa  # noqa: PLC0415
+
+        return "cpu-" + _get_attn_isa(dtype, block_size, head_size, cache_dtype)
+    except ImportError:  # another vLLM: named by what the CPU can do, as vLLM 0.32 chose
+        import torch  # noqa: PLC0415
+
+        return "cpu-" + torch.backends.cpu.get_cpu_capability().lower()
 
 
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
