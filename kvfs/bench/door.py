@@ -375,7 +375,8 @@ def summarise(results: dict[str, list[dict[str, dict[str, Any]]]], args: Any
 #: Requests the caller does not wait for one round trip each: read-ahead `read`s overlap, a
 #: `write` or `read` is counted by its bytes (two copies), `release` and `forget` are not
 #: waited for.
-NOT_WAITED = frozenset({"read", "write", "release", "releasedir", "forget", "batch_forget"})
+NOT_WAITED = frozenset({"read", "write", "release", "releasedir", "forget", "batch_forget",
+                        "thread_release"})
 
 
 def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float

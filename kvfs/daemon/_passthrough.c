@@ -1,25 +1,48 @@
 /*
- * kvfs.daemon._passthrough: the two FUSE replies that libfuse 3.14 cannot write for kvfs.
+ * kvfs.daemon._passthrough: what libfuse 3.14 and pyfuse3 3.5 cannot do for kvfs's mount door.
  *
- * FUSE passthrough (Linux 6.9 and later) lets the daemon hand the kernel an open backing file,
- * after which the kernel does that file's reads, writes and mmap itself: no byte crosses
- * /dev/fuse. It takes two things libfuse 3.14 (Debian 12) cannot say and pyfuse3 3.5 cannot
- * ask for:
- *   - the INIT reply's FUSE_PASSTHROUGH flag (bit 5 of flags2, which needs FUSE_INIT_EXT) and
- *     max_stack_depth (a u32 at byte 36 of fuse_init_out);
- *   - an OPEN or CREATE reply's FOPEN_PASSTHROUGH flag and backing id (fuse_open_out's
- *     open_flags and the i32 after them, which libfuse sends as zero padding).
- * libfuse writes every reply with one writev(2) on the session's fd. This module replaces
- * libfuse's own `writev` (the slot in libfuse3.so's global offset table, so nothing else in
- * the process is touched) with `reply_writev`, which passes every write through unchanged
- * except two: the first reply written after `hook` (the INIT reply, which the kernel waits
- * for before it sends anything else) and the next OPEN/CREATE reply on a thread that called
- * `arm(fh, backing_id)` just before its handler returned that `fh`. pyfuse3 sends a handler's
- * reply on the handler's own thread, right after it returns, with no await in between, so
- * the armed reply is the next one that thread writes; it is patched only if it is a success
- * of the right size that carries the armed fh, and disarmed either way (`state` counts the
- * misses). Backing files are registered and released by kvfs.daemon.passthrough with the
- * FUSE_DEV_IOC_BACKING_OPEN / _CLOSE ioctls.
+ * 1. Two replies libfuse cannot write. FUSE passthrough (Linux 6.9 and later) lets the daemon
+ *    hand the kernel an open backing file, after which the kernel does that file's reads,
+ *    writes and mmap itself: no byte crosses /dev/fuse. It takes
+ *      - the INIT reply's FUSE_PASSTHROUGH flag (bit 5 of flags2, which needs FUSE_INIT_EXT)
+ *        and max_stack_depth (a u32 at byte 36 of fuse_init_out);
+ *      - an OPEN or CREATE reply's FOPEN_PASSTHROUGH flag and backing id (fuse_open_out's
+ *        open_flags and the i32 after them, which libfuse sends as zero padding), and the
+ *        FOPEN_NOFLUSH flag (no FLUSH request at each close of a read-only open, which has
+ *        nothing to flush; pyfuse3 3.5's FileInfo cannot set it).
+ *    libfuse writes every reply with one writev(2) on the session's fd. This module replaces
+ *    libfuse's own `writev` (the slot in libfuse3.so's global offset table, so nothing else in
+ *    the process is touched) with `reply_writev`, which passes every write through unchanged
+ *    except two: the first reply written after `hook` (the INIT reply, which the kernel waits
+ *    for before it sends anything else) and the next OPEN/CREATE reply on a thread that called
+ *    `arm(fh, backing_id)` just before its handler returned that `fh`. pyfuse3 sends a
+ *    handler's reply on the handler's own thread, right after it returns, with no await in
+ *    between, so the armed reply is the next one that thread writes; it is patched only if it
+ *    is a success of the right size that carries the armed fh, and disarmed either way
+ *    (`state` counts the misses). Backing files are registered and released by
+ *    kvfs.daemon.passthrough with the FUSE_DEV_IOC_BACKING_OPEN / _CLOSE ioctls.
+ *
+ * 2. The requests that need no Python (with `hook(..., route=True)`). Once the bytes pass
+ *    through, what is left of a file is its namespace requests, each a round trip through
+ *    pyfuse3's loop and trio's scheduler. A request thread of this module reads /dev/fuse
+ *    itself (the session's fd number now names one end of a SOCK_SEQPACKET pair, the device
+ *    moved to another number) and answers in C what the daemon has already decided:
+ *      - OPEN (read-only) of an inode the daemon put in the *ready table* (`ready_put`: a
+ *        complete hot file it opened for passthrough reading, its backing id and attributes):
+ *        a passthrough open with the same backing id, the handle numbered C_FH | inode;
+ *      - RELEASE, FLUSH and FSYNC of those handles (nothing to do: the file is read-only to
+ *        them and the kernel holds its backing file), and READ (EIO: the kernel asks only to
+ *        fill the FUSE inode's own pages ahead, which passthrough reads never use);
+ *      - GETATTR of an inode in the ready table: the attributes the daemon put, the access
+ *        time moved to the last open;
+ *      - GETXATTR of a name outside the `user.` namespace: EOPNOTSUPP, as the daemon answers
+ *        (the kernel asks `security.capability` before a file's first write).
+ *    Every other request is sent whole to the socket, where libfuse reads it (`request_read`)
+ *    and pyfuse3 serves it as before; replies written on the socket's number go to the
+ *    device. The daemon takes an inode out of the table (`ready_drop`) before anything about
+ *    it changes; the opens the thread gave out are counted (`ready_outstanding`) until the
+ *    kernel releases them, and their number and last time are collected by `ready_harvest`
+ *    (hits, bytes and access times, as the daemon counts an open it serves).
  */
 #define _GNU_SOURCE
 #define PY_SSIZE_T_CLEAN
@@ -27,15 +50,22 @@
 
 #include <elf.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <link.h>
+#include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <sys/uio.h>
 #include <sys/vfs.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The kernel's protocol (include/uapi/linux/fuse.h). */
+#define IN_HEADER 40            /* struct fuse_in_header */
 #define OUT_HEADER 16           /* struct fuse_out_header: u32 len, i32 error, u64 unique */
 #define INIT_OUT 64             /* struct fuse_init_out as libfuse 3.14 sends it */
 #define INIT_FLAGS_OFF 12
@@ -46,50 +76,71 @@
 #define FUSE_PASSTHROUGH_HI (1u << 5) /* bit 37 of the 64-bit flags */
 #define ENTRY_OUT 128           /* struct fuse_entry_out */
 #define OPEN_OUT 16             /* struct fuse_open_out: u64 fh, u32 open_flags, i32 backing_id */
+#define ATTR 88                 /* struct fuse_attr */
+#define ATTR_OUT (16 + ATTR)    /* struct fuse_attr_out: u64 valid, u32 nsec, u32 dummy, attr */
 #define FOPEN_DIRECT_IO (1u << 0)
 #define FOPEN_KEEP_CACHE (1u << 1)
+#define FOPEN_NOFLUSH (1u << 5)
 #define FOPEN_PARALLEL_DIRECT_WRITES (1u << 6)
 #define FOPEN_PASSTHROUGH (1u << 7)
-#define FOPEN_NOFLUSH (1u << 5)
 /* What may stand beside FOPEN_PASSTHROUGH (the kernel refuses anything else with EINVAL). */
 #define PASSTHROUGH_KEEP (FOPEN_PARALLEL_DIRECT_WRITES | FOPEN_NOFLUSH)
+enum { OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, OP_FSYNC = 20,
+       OP_GETXATTR = 22, OP_FLUSH = 25, N_OPS = 64 };
+/* Handles the request thread gives out: this bit and the inode (inodes stay below it). */
+#define C_FH (1ull << 63)
+/* The largest request the kernel sends (a 1 MiB write and its headers), with room to spare. */
+#define REQUEST_BUF ((256 + 4) * 4096)
 
 typedef ssize_t (*writev_fn)(int, const struct iovec *, int);
+typedef ssize_t (*read_fn)(int, void *, size_t);
 
 static writev_fn real_writev;   /* libc's, as libfuse had it */
-static int fuse_fd = -1;        /* the session's /dev/fuse fd */
+static read_fn real_read;
+static int fuse_fd = -1;        /* the fd number libfuse and pyfuse3 use for the session */
+static int dev_fd = -1;         /* /dev/fuse itself: fuse_fd, or another number when routed */
 static int init_armed;          /* the next reply is the INIT reply: patch it */
 static uint32_t stack_depth;    /* max_stack_depth to offer (1 or 2) */
 
-/* Set by reply_writev on the event-loop thread, read by `state` on the same thread (every
- * FUSE reply of pyfuse3 is written there); the INIT fields once, before any open. */
+/* Set by reply_writev on the event-loop thread (every FUSE reply of pyfuse3 is written
+ * there), read by `state` on the same thread and by the request thread (atomically); the
+ * INIT fields once, before any open. */
 static int init_seen, init_offered;
-static uint32_t init_flags;
+static uint32_t init_flags, init_minor;
 static unsigned long long opens_patched, opens_missed;
 
 static __thread int armed;
 static __thread uint64_t armed_fh;
 static __thread int32_t armed_id;
+static __thread int armed_noflush;
 
 static uint32_t get32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint64_t get64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static void put32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+static void put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+
+/* -- 1. the replies libfuse writes ----------------------------------------------------- */
 
 /* Patch an OPEN (fuse_open_out alone) or CREATE (fuse_entry_out + fuse_open_out) reply in
  * `buf` for the armed fh; 1 if patched. */
 static int patch_open(unsigned char *buf, size_t len)
 {
     int32_t error;
-    uint64_t fh;
     memcpy(&error, buf + 4, 4);
     if (error != 0 || (len != OUT_HEADER + OPEN_OUT && len != OUT_HEADER + ENTRY_OUT + OPEN_OUT))
         return 0;
     unsigned char *open_out = buf + len - OPEN_OUT;
-    memcpy(&fh, open_out, 8);
-    if (fh != armed_fh)
+    if (get64(open_out) != armed_fh)
         return 0;
     uint32_t flags = get32(open_out + 8);
-    put32(open_out + 8, (flags & PASSTHROUGH_KEEP) | FOPEN_PASSTHROUGH);
-    memcpy(open_out + 12, &armed_id, 4);
+    if (armed_noflush && init_minor >= 31)  /* FOPEN_NOFLUSH: protocol 7.31 */
+        flags |= FOPEN_NOFLUSH;
+    if (armed_id > 0) {
+        put32(open_out + 8, (flags & PASSTHROUGH_KEEP) | FOPEN_PASSTHROUGH);
+        memcpy(open_out + 12, &armed_id, 4);
+    } else {
+        put32(open_out + 8, flags);
+    }
     return 1;
 }
 
@@ -97,23 +148,27 @@ static int patch_open(unsigned char *buf, size_t len)
  * turns passthrough off then anyway). */
 static void patch_init(unsigned char *buf, size_t len)
 {
-    init_seen = 1;
-    if (len != OUT_HEADER + INIT_OUT || get32(buf + OUT_HEADER) != 7)
-        return;
-    unsigned char *out = buf + OUT_HEADER;
-    uint32_t flags = get32(out + INIT_FLAGS_OFF);
-    init_flags = flags;
-    if (flags & FUSE_WRITEBACK_CACHE)
-        return;
-    put32(out + INIT_FLAGS_OFF, flags | FUSE_INIT_EXT);
-    put32(out + INIT_FLAGS2_OFF, get32(out + INIT_FLAGS2_OFF) | FUSE_PASSTHROUGH_HI);
-    put32(out + INIT_STACK_OFF, stack_depth);
-    init_offered = 1;
+    if (len == OUT_HEADER + INIT_OUT && get32(buf + OUT_HEADER) == 7) {
+        unsigned char *out = buf + OUT_HEADER;
+        uint32_t flags = get32(out + INIT_FLAGS_OFF);
+        init_flags = flags;
+        init_minor = get32(out + 4);
+        if (!(flags & FUSE_WRITEBACK_CACHE)) {
+            put32(out + INIT_FLAGS_OFF, flags | FUSE_INIT_EXT);
+            put32(out + INIT_FLAGS2_OFF, get32(out + INIT_FLAGS2_OFF) | FUSE_PASSTHROUGH_HI);
+            put32(out + INIT_STACK_OFF, stack_depth);
+            init_offered = 1;
+        }
+    }
+    __atomic_store_n(&init_seen, 1, __ATOMIC_RELEASE);
 }
 
 static ssize_t reply_writev(int fd, const struct iovec *iov, int count)
 {
-    if (fd != fuse_fd || !(init_armed || armed) || count < 1 || iov[0].iov_len < OUT_HEADER)
+    if (fd != fuse_fd)
+        return real_writev(fd, iov, count);
+    fd = dev_fd;  /* routed: the session's number names the socket, replies go to the device */
+    if (!(init_armed || armed) || count < 1 || iov[0].iov_len < OUT_HEADER)
         return real_writev(fd, iov, count);
     uint64_t unique;
     memcpy(&unique, (const unsigned char *)iov[0].iov_base + 8, 8);
@@ -134,7 +189,7 @@ static ssize_t reply_writev(int fd, const struct iovec *iov, int count)
             patch_init(buf, len);
             patched = init_offered;
         } else {
-            init_seen = 1;
+            __atomic_store_n(&init_seen, 1, __ATOMIC_RELEASE);
         }
     } else {
         armed = 0;
@@ -150,9 +205,303 @@ static ssize_t reply_writev(int fd, const struct iovec *iov, int count)
     return real_writev(fd, &one, 1);
 }
 
-/* -- the slot in libfuse3.so's global offset table ------------------------------------- */
+/* -- 2. the ready table ------------------------------------------------------------------ */
 
-struct found { void **slot; int matched; };
+/* An inode whose read-only opens the request thread answers (`live`), or that the daemon took
+ * out of the table while opens it gave out are still open (`dropped`, until they are
+ * released). Open addressing by inode; a slot whose entry went is a tombstone. */
+enum { EMPTY = 0, LIVE = 1, DROPPED = 2, TOMB = 3 };
+
+struct entry {
+    uint64_t ino;
+    int64_t last_ns;        /* the last open the thread answered (CLOCK_REALTIME) */
+    uint32_t opens;         /* the thread's handles of it the kernel has not released */
+    uint32_t new_opens;     /* opens since the last harvest */
+    int32_t backing_id;
+    uint8_t state;
+    unsigned char attr[ATTR];
+};
+
+static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
+static struct entry *table;     /* guarded by table_lock (like everything in this section) */
+static size_t table_slots;      /* a power of two */
+static size_t table_used;       /* slots not EMPTY (tombstones count: they lengthen probes) */
+static size_t table_live;
+
+/* The slot of `ino` (state LIVE or DROPPED), or NULL; `free_slot` gets where it would go. */
+static struct entry *find(uint64_t ino, struct entry **free_slot)
+{
+    if (!table)
+        return NULL;
+    size_t mask = table_slots - 1, i = (size_t)(ino * 0x9E3779B97F4A7C15ull) & mask;
+    struct entry *tomb = NULL;
+    for (size_t n = 0; n < table_slots; n++, i = (i + 1) & mask) {
+        struct entry *e = &table[i];
+        if (e->state == EMPTY) {
+            if (free_slot)
+                *free_slot = tomb ? tomb : e;
+            return NULL;
+        }
+        if (e->state == TOMB) {
+            if (!tomb)
+                tomb = e;
+        } else if (e->ino == ino) {
+            return e;
+        }
+    }
+    if (free_slot)
+        *free_slot = tomb;
+    return NULL;
+}
+
+/* Rebuild the table without its tombstones (when they fill it). */
+static void compact(void)
+{
+    struct entry *old = table;
+    size_t slots = table_slots;
+    table = calloc(slots, sizeof(*table));
+    if (!table) {
+        table = old;
+        return;
+    }
+    table_used = 0;
+    for (size_t i = 0; i < slots; i++) {
+        if (old[i].state != LIVE && old[i].state != DROPPED)
+            continue;
+        struct entry *slot = NULL;
+        find(old[i].ino, &slot);
+        *slot = old[i];
+        table_used++;
+    }
+    free(old);
+}
+
+static void forget_entry(struct entry *e)
+{
+    if (e->state == LIVE)
+        table_live--;
+    e->state = TOMB;
+}
+
+/* -- 2. the request thread ----------------------------------------------------------------- */
+
+static int thread_fd = -1;      /* the request thread's end of the socket pair */
+static pthread_t thread;
+static int thread_running, thread_stop;
+static int route_signal;        /* interrupts the thread's read of the device at unhook */
+static unsigned long long answered[N_OPS], forwarded;  /* guarded by table_lock */
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static int reply(uint64_t unique, int error, const void *body, size_t len)
+{
+    unsigned char head[OUT_HEADER];
+    put32(head, (uint32_t)(OUT_HEADER + len));
+    int32_t err = -error;
+    memcpy(head + 4, &err, 4);
+    put64(head + 8, unique);
+    struct iovec iov[2] = {{head, OUT_HEADER}, {(void *)body, len}};
+    return real_writev(dev_fd, iov, len ? 2 : 1) < 0 ? -1 : 0;
+}
+
+/* The request in `req` answered here (1), or left to the daemon (0). Called with the lock. */
+static int answer(const unsigned char *req, size_t len)
+{
+    uint32_t opcode = get32(req + 4);
+    uint64_t unique = get64(req + 8), ino = get64(req + 16);
+    const unsigned char *in = req + IN_HEADER;
+    switch (opcode) {
+    case OP_GETXATTR: {  /* fuse_getxattr_in {u32 size, u32 padding}, then the name */
+        if (len < IN_HEADER + 8 + 1)
+            return 0;
+        const char *name = (const char *)in + 8;
+        size_t room = len - IN_HEADER - 8;
+        if (strnlen(name, room) == room || strncmp(name, "user.", 5) == 0)
+            return 0;
+        reply(unique, EOPNOTSUPP, NULL, 0);
+        return 1;
+    }
+    case OP_GETATTR: {  /* fuse_getattr_in {u32 flags, u32 dummy, u64 fh} */
+        struct entry *e = find(ino, NULL);
+        if (!e || e->state != LIVE)
+            return 0;
+        unsigned char out[ATTR_OUT];
+        memset(out, 0, 16);
+        put64(out, 10);  /* attr_valid: the daemon's attribute timeout (10 s) */
+        memcpy(out + 16, e->attr, ATTR);
+        reply(unique, 0, out, sizeof(out));
+        return 1;
+    }
+    case OP_OPEN: {  /* fuse_open_in {u32 flags, u32 open_flags} */
+        if (len < IN_HEADER + 8)
+            return 0;
+        uint32_t flags = get32(in);
+        if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC))
+            return 0;
+        struct entry *e = find(ino, NULL);
+        if (!e || e->state != LIVE)
+            return 0;
+        int64_t t = now_ns();
+        e->opens++;
+        e->new_opens++;
+        e->last_ns = t;
+        put64(e->attr + 24, (uint64_t)(t / 1000000000));  /* atime: the last open */
+        put32(e->attr + 48, (uint32_t)(t % 1000000000));
+        unsigned char out[OPEN_OUT];
+        put64(out, C_FH | ino);
+        put32(out + 8, FOPEN_PASSTHROUGH | FOPEN_NOFLUSH);
+        memcpy(out + 12, &e->backing_id, 4);
+        reply(unique, 0, out, sizeof(out));
+        return 1;
+    }
+    case OP_RELEASE:  /* fuse_release_in {u64 fh, ...}; the others: {u64 fh, ...} too */
+    case OP_FLUSH:
+    case OP_FSYNC:
+    case OP_READ: {
+        if (len < IN_HEADER + 8)
+            return 0;
+        uint64_t fh = get64(in);
+        if (!(fh & C_FH))
+            return 0;
+        if (opcode == OP_READ) {
+            /* The kernel reads a passthrough file from its backing file; it sends READ only
+             * to fill the FUSE inode's own pages ahead (posix_fadvise WILLNEED,
+             * readahead(2)), which no passthrough read uses. Refused: no page is cached. */
+            reply(unique, EIO, NULL, 0);
+            return 1;
+        }
+        if (opcode == OP_RELEASE) {
+            struct entry *e = find(fh & ~C_FH, NULL);
+            if (e && e->opens && --e->opens == 0 && e->state == DROPPED)
+                forget_entry(e);
+        }
+        reply(unique, 0, NULL, 0);
+        return 1;
+    }
+    }
+    return 0;
+}
+
+static void interrupted(int sig) { (void)sig; }
+
+static void *serve(void *unused)
+{
+    (void)unused;
+    sigset_t one;  /* created with every signal blocked; this one interrupts its read */
+    sigemptyset(&one);
+    sigaddset(&one, route_signal);
+    pthread_sigmask(SIG_UNBLOCK, &one, NULL);
+    unsigned char *buf = malloc(REQUEST_BUF);
+    while (buf && !__atomic_load_n(&thread_stop, __ATOMIC_ACQUIRE)) {
+        ssize_t n = real_read(dev_fd, buf, REQUEST_BUF);
+        if (n < 0) {
+            if (errno == EINTR || errno == EAGAIN || errno == ENOENT)  /* ENOENT: interrupted */
+                continue;
+            break;  /* ENODEV: unmounted, or the connection aborted */
+        }
+        if ((size_t)n < IN_HEADER)
+            break;
+        /* Until the INIT reply is out, every request is the daemon's. */
+        int ready = __atomic_load_n(&init_seen, __ATOMIC_ACQUIRE);
+        uint32_t op = get32(buf + 4);
+        pthread_mutex_lock(&table_lock);
+        int done = ready && answer(buf, (size_t)n);
+        if (done && op < N_OPS)
+            answered[op]++;
+        else if (!done)
+            forwarded++;
+        pthread_mutex_unlock(&table_lock);
+        if (done)
+            continue;
+        ssize_t sent;
+        do
+            sent = send(thread_fd, buf, (size_t)n, MSG_NOSIGNAL);
+        while (sent < 0 && errno == EINTR && !__atomic_load_n(&thread_stop, __ATOMIC_ACQUIRE));
+        if (sent < 0)
+            break;  /* the daemon closed its end: the session is over */
+    }
+    free(buf);
+    /* libfuse reads the end of the socket as an unmounted device (`request_read`) and ends
+     * the session; the device fd is closed by `unhook` (libfuse may still write replies to
+     * its number until then), which ends the connection as closing libfuse's fd would. */
+    shutdown(thread_fd, SHUT_RDWR);
+    return NULL;
+}
+
+/* libfuse's read of the session's fd: routed, that is the socket; its end (the request
+ * thread is gone) reads as the device's ENODEV, after which libfuse ends the session. */
+static ssize_t request_read(int fd, void *buf, size_t size)
+{
+    ssize_t n = real_read(fd, buf, size);
+    if (n == 0 && fd == fuse_fd && dev_fd != fuse_fd) {
+        errno = ENODEV;
+        return -1;
+    }
+    return n;
+}
+
+/* Move the device to another fd number, put one end of a socket pair at the session's number
+ * and start the thread that reads the device. 0, or -1 with errno (nothing changed). */
+static int start_routing(int fd)
+{
+    int sv[2];
+    int moved = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (moved < 0)
+        return -1;
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0)
+        goto fail_moved;
+    /* One message is one request, up to REQUEST_BUF: the socket must take it whole. Only a
+     * privileged daemon may raise the limit past net.core.wmem_max (as it may register
+     * backing files: the same daemon). */
+    int size = 4 * REQUEST_BUF, got = 0;
+    socklen_t sl = sizeof(got);
+    if (setsockopt(sv[1], SOL_SOCKET, SO_SNDBUFFORCE, &size, sizeof(size)) != 0 ||
+        setsockopt(sv[0], SOL_SOCKET, SO_RCVBUFFORCE, &size, sizeof(size)) != 0 ||
+        getsockopt(sv[1], SOL_SOCKET, SO_SNDBUF, &got, &sl) != 0 || got < 2 * REQUEST_BUF)
+        goto fail_pair;
+    if (dup3(sv[0], fd, O_CLOEXEC) < 0)
+        goto fail_pair;
+    close(sv[0]);
+    dev_fd = moved;
+    thread_fd = sv[1];
+    thread_stop = 0;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof(sa));
+    sa.sa_handler = interrupted;  /* no SA_RESTART: the thread's read returns EINTR */
+    route_signal = SIGRTMIN + 7;
+    sigaction(route_signal, &sa, NULL);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_BLOCK, &all, &old);  /* the thread takes no process signal */
+    int rc = pthread_create(&thread, NULL, serve, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (rc != 0) {  /* the socket stands at fd now: put the device back there */
+        dup3(moved, fd, O_CLOEXEC);
+        close(moved);
+        close(sv[1]);
+        dev_fd = fd;
+        thread_fd = -1;
+        errno = rc;
+        return -1;
+    }
+    thread_running = 1;
+    return 0;
+fail_pair:
+    close(sv[0]);
+    close(sv[1]);
+fail_moved:
+    close(moved);
+    return -1;
+}
+
+/* -- the slots in libfuse3.so's global offset table ---------------------------------------- */
+
+struct found { const char *name; void **slot; int matched; };
 
 static uintptr_t dyn_ptr(uintptr_t base, uintptr_t p) { return p < base ? p + base : p; }
 
@@ -196,7 +545,7 @@ static int find_slot(struct dl_phdr_info *info, size_t size, void *data)
                     continue;
 #endif
                 const char *name = strtab + symtab[ELF64_R_SYM(r->r_info)].st_name;
-                if (strcmp(name, "writev") == 0) {
+                if (strcmp(name, f->name) == 0) {
                     f->slot = (void **)(base + r->r_offset);
                     return 1;
                 }
@@ -204,6 +553,14 @@ static int find_slot(struct dl_phdr_info *info, size_t size, void *data)
         }
     }
     return 1;
+}
+
+static void **slot_of(const char *name, int *matched)
+{
+    struct found f = {name, NULL, 0};
+    dl_iterate_phdr(find_slot, &f);
+    *matched = f.matched;
+    return f.slot;
 }
 
 static int write_slot(void **slot, void *value)
@@ -219,47 +576,105 @@ static int write_slot(void **slot, void *value)
     return 0;
 }
 
-static void **hooked_slot;
+static void **writev_slot, **read_slot;
+
+/* -- the module's functions -------------------------------------------------------------- */
 
 static PyObject *py_hook(PyObject *self, PyObject *args)
 {
-    int fd;
+    int fd, route = 0;
     unsigned int depth;
-    if (!PyArg_ParseTuple(args, "iI", &fd, &depth))
+    Py_ssize_t slots = 1 << 15;
+    if (!PyArg_ParseTuple(args, "iI|pn", &fd, &depth, &route, &slots))
         return NULL;
     if (depth < 1 || depth > 2) {
         PyErr_SetString(PyExc_ValueError, "max_stack_depth must be 1 or 2");
         return NULL;
     }
-    if (!hooked_slot) {
-        struct found f = {NULL, 0};
-        dl_iterate_phdr(find_slot, &f);
-        if (!f.slot) {
-            PyErr_SetString(PyExc_OSError, f.matched ? "libfuse3 has no writev slot to hook"
-                                                     : "libfuse3 is not loaded");
+    if (slots < 64 || (slots & (slots - 1))) {
+        PyErr_SetString(PyExc_ValueError, "ready table slots: a power of two >= 64");
+        return NULL;
+    }
+    if (thread_running) {
+        PyErr_SetString(PyExc_RuntimeError, "already hooked with a request thread");
+        return NULL;
+    }
+    int matched;
+    if (!writev_slot) {
+        void **slot = slot_of("writev", &matched);
+        if (!slot) {
+            PyErr_SetString(PyExc_OSError, matched ? "libfuse3 has no writev slot to hook"
+                                                   : "libfuse3 is not loaded");
             return NULL;
         }
-        real_writev = (writev_fn)*f.slot;
-        if (write_slot(f.slot, (void *)reply_writev) != 0)
+        real_writev = (writev_fn)*slot;
+        if (write_slot(slot, (void *)reply_writev) != 0)
             return PyErr_SetFromErrno(PyExc_OSError);
-        hooked_slot = f.slot;
+        writev_slot = slot;
     }
-    fuse_fd = fd;
+    fuse_fd = dev_fd = fd;
     stack_depth = depth;
     init_seen = init_offered = 0;
-    init_flags = 0;
+    init_flags = init_minor = 0;
     init_armed = 1;
-    Py_RETURN_NONE;
+    if (!route)
+        return PyLong_FromLong(dev_fd);
+    if (!read_slot) {
+        void **slot = slot_of("read", &matched);
+        if (!slot) {
+            PyErr_SetString(PyExc_OSError, "libfuse3 has no read slot to hook");
+            return NULL;
+        }
+        real_read = (read_fn)*slot;
+        if (write_slot(slot, (void *)request_read) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        read_slot = slot;
+    }
+    pthread_mutex_lock(&table_lock);
+    free(table);
+    table = calloc((size_t)slots, sizeof(*table));
+    table_slots = table ? (size_t)slots : 0;
+    table_used = table_live = 0;
+    memset(answered, 0, sizeof(answered));
+    forwarded = 0;
+    pthread_mutex_unlock(&table_lock);
+    if (!table)
+        return PyErr_NoMemory();
+    if (start_routing(fd) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    return PyLong_FromLong(dev_fd);
 }
 
 static PyObject *py_unhook(PyObject *self, PyObject *noargs)
 {
-    if (hooked_slot) {
-        if (write_slot(hooked_slot, (void *)real_writev) != 0)
-            return PyErr_SetFromErrno(PyExc_OSError);
-        hooked_slot = NULL;
+    if (thread_running) {
+        __atomic_store_n(&thread_stop, 1, __ATOMIC_RELEASE);
+        pthread_kill(thread, route_signal);
+        Py_BEGIN_ALLOW_THREADS
+        pthread_join(thread, NULL);
+        Py_END_ALLOW_THREADS
+        thread_running = 0;
+        close(thread_fd);
+        thread_fd = -1;
+        if (dev_fd >= 0 && dev_fd != fuse_fd)
+            close(dev_fd);  /* the connection ends with it (the session's fd is closed) */
     }
-    fuse_fd = -1;
+    if (writev_slot) {
+        if (write_slot(writev_slot, (void *)real_writev) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        writev_slot = NULL;
+    }
+    if (read_slot) {
+        if (write_slot(read_slot, (void *)real_read) != 0)
+            return PyErr_SetFromErrno(PyExc_OSError);
+        read_slot = NULL;
+    }
+    pthread_mutex_lock(&table_lock);
+    free(table);
+    table = NULL;
+    table_slots = table_used = table_live = 0;
+    pthread_mutex_unlock(&table_lock);
+    fuse_fd = dev_fd = -1;
     init_armed = armed = 0;
     Py_RETURN_NONE;
 }
@@ -267,21 +682,159 @@ static PyObject *py_unhook(PyObject *self, PyObject *noargs)
 static PyObject *py_arm(PyObject *self, PyObject *args)
 {
     unsigned long long fh;
-    int id;
-    if (!PyArg_ParseTuple(args, "Ki", &fh, &id))
+    int id, noflush = 0;
+    if (!PyArg_ParseTuple(args, "Ki|p", &fh, &id, &noflush))
         return NULL;
     armed_fh = fh;
     armed_id = id;
+    armed_noflush = noflush;
     armed = 1;
     Py_RETURN_NONE;
 }
 
+static PyObject *py_ready_put(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    int backing_id;
+    Py_buffer attr;
+    if (!PyArg_ParseTuple(args, "Kiy*", &ino, &backing_id, &attr))
+        return NULL;
+    if (attr.len != ATTR || ino & C_FH || backing_id <= 0) {
+        PyBuffer_Release(&attr);
+        PyErr_SetString(PyExc_ValueError, "ready_put(inode, backing_id > 0, 88-byte fuse_attr)");
+        return NULL;
+    }
+    int put = 0;
+    pthread_mutex_lock(&table_lock);
+    struct entry *slot = NULL, *e = find(ino, &slot);
+    if (e && e->state == LIVE) {
+        memcpy(e->attr, attr.buf, ATTR);
+        put = e->backing_id == backing_id;  /* one backing file per inode, as the kernel wants */
+    } else if (!e && slot && table_live < table_slots / 2) {
+        if (table_used + 1 > table_slots * 3 / 4) {
+            compact();
+            slot = NULL;
+            find(ino, &slot);
+        }
+        if (slot) {
+            if (slot->state == EMPTY)
+                table_used++;
+            memset(slot, 0, sizeof(*slot));
+            slot->ino = ino;
+            slot->backing_id = backing_id;
+            slot->state = LIVE;
+            memcpy(slot->attr, attr.buf, ATTR);
+            table_live++;
+            put = 1;
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+    PyBuffer_Release(&attr);
+    return PyBool_FromLong(put);
+}
+
+static PyObject *py_ready_drop(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    long opens = -1;
+    pthread_mutex_lock(&table_lock);
+    struct entry *e = find(ino, NULL);
+    if (e && e->state == LIVE) {
+        opens = e->opens;
+        table_live--;
+        e->state = e->opens ? DROPPED : TOMB;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyLong_FromLong(opens);
+}
+
+static PyObject *py_ready_outstanding(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    struct entry *e = find(ino, NULL);
+    long opens = e ? (long)e->opens : 0;
+    pthread_mutex_unlock(&table_lock);
+    return PyLong_FromLong(opens);
+}
+
+static PyObject *py_ready_harvest(PyObject *self, PyObject *noargs)
+{
+    /* [(inode, opens since the last harvest, last open ns)] for every entry with new opens */
+    PyObject *out = PyList_New(0);
+    if (!out)
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    size_t n = 0;
+    for (size_t i = 0; i < table_slots; i++)
+        n += (table[i].state == LIVE || table[i].state == DROPPED) && table[i].new_opens;
+    unsigned long long (*got)[3] = n ? malloc(n * sizeof(*got)) : NULL;
+    size_t k = 0;
+    for (size_t i = 0; got && i < table_slots; i++) {
+        struct entry *e = &table[i];
+        if ((e->state == LIVE || e->state == DROPPED) && e->new_opens) {
+            got[k][0] = e->ino;
+            got[k][1] = e->new_opens;
+            got[k][2] = (unsigned long long)e->last_ns;
+            e->new_opens = 0;
+            k++;
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+    if (n && !got) {
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    for (size_t i = 0; i < k; i++) {
+        PyObject *t = Py_BuildValue("(KKL)", got[i][0], got[i][1], (long long)got[i][2]);
+        if (!t || PyList_Append(out, t) != 0) {
+            Py_XDECREF(t);
+            Py_DECREF(out);
+            free(got);
+            return NULL;
+        }
+        Py_DECREF(t);
+    }
+    free(got);
+    return out;
+}
+
 static PyObject *py_state(PyObject *self, PyObject *noargs)
 {
-    return Py_BuildValue("{s:O,s:O,s:I,s:K,s:K}", "init_seen", init_seen ? Py_True : Py_False,
+    PyObject *ops = PyDict_New();
+    if (!ops)
+        return NULL;
+    static const struct { int op; const char *name; } names[] = {
+        {OP_GETATTR, "getattr"}, {OP_OPEN, "open"}, {OP_RELEASE, "release"},
+        {OP_FSYNC, "fsync"}, {OP_GETXATTR, "getxattr"}, {OP_FLUSH, "flush"},
+        {OP_READ, "read"}};
+    enum { N = sizeof(names) / sizeof(names[0]) };
+    pthread_mutex_lock(&table_lock);
+    unsigned long long counts[N], fwd = forwarded;
+    size_t live = table_live;
+    for (int i = 0; i < N; i++)
+        counts[i] = answered[names[i].op];
+    pthread_mutex_unlock(&table_lock);
+    for (int i = 0; i < N; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(counts[i]);
+        if (!v || PyDict_SetItemString(ops, names[i].name, v) != 0) {
+            Py_XDECREF(v);
+            Py_DECREF(ops);
+            return NULL;
+        }
+        Py_DECREF(v);
+    }
+    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n}",
+                         "init_seen", init_seen ? Py_True : Py_False,
                          "init_offered", init_offered ? Py_True : Py_False,
-                         "init_flags", init_flags, "opens_patched", opens_patched,
-                         "opens_missed", opens_missed);
+                         "init_flags", init_flags, "init_minor", init_minor,
+                         "opens_patched", opens_patched, "opens_missed", opens_missed,
+                         "routed", thread_running ? Py_True : Py_False,
+                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live);
 }
 
 static PyObject *py_fstype(PyObject *self, PyObject *args)
@@ -302,19 +855,32 @@ static PyObject *py_fstype(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"hook", py_hook, METH_VARARGS,
-     "hook(fuse_fd, max_stack_depth): route libfuse's replies on fuse_fd through kvfs; the "
-     "next reply (INIT) offers passthrough"},
-    {"unhook", py_unhook, METH_NOARGS, "unhook(): give libfuse its own writev back"},
+     "hook(fuse_fd, max_stack_depth, route=False, slots=32768) -> device fd: route libfuse's "
+     "replies on fuse_fd through kvfs (the next reply, INIT, offers passthrough); with route, "
+     "a request thread reads the device and answers what it can (see the C source)"},
+    {"unhook", py_unhook, METH_NOARGS,
+     "unhook(): stop the request thread, give libfuse its own writev and read back"},
     {"arm", py_arm, METH_VARARGS,
-     "arm(fh, backing_id): this thread's next OPEN/CREATE reply of fh passes through"},
-    {"state", py_state, METH_NOARGS, "state(): what the hook has seen and done"},
+     "arm(fh, backing_id, noflush=False): this thread's next OPEN/CREATE reply of fh passes "
+     "through (backing_id > 0), and with noflush its close sends no FLUSH"},
+    {"ready_put", py_ready_put, METH_VARARGS,
+     "ready_put(inode, backing_id, attr) -> bool: the request thread may answer read-only "
+     "opens of inode with backing_id, and its GETATTR with attr (88 bytes of fuse_attr)"},
+    {"ready_drop", py_ready_drop, METH_VARARGS,
+     "ready_drop(inode) -> int: no more; the thread's opens of it still open (-1: not there)"},
+    {"ready_outstanding", py_ready_outstanding, METH_VARARGS,
+     "ready_outstanding(inode) -> int: the thread's opens of inode the kernel holds"},
+    {"ready_harvest", py_ready_harvest, METH_NOARGS,
+     "ready_harvest() -> [(inode, opens, last_ns)]: the thread's opens since the last call"},
+    {"state", py_state, METH_NOARGS, "state(): what the hooks and the thread have seen and done"},
     {"fstype", py_fstype, METH_VARARGS, "fstype(path): statfs(2)'s f_type"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "kvfs.daemon._passthrough",
-    "The FUSE passthrough fields of the INIT and OPEN/CREATE replies (see the C source).",
+    "The FUSE passthrough fields of the INIT and OPEN/CREATE replies, and the requests "
+    "answered without Python (see the C source).",
     -1, methods, NULL, NULL, NULL, NULL,
 };
 

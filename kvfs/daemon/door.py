@@ -1,7 +1,9 @@
 """The mount door's passthrough part (kvfs.daemon.passthrough): which opens the kernel serves
 itself, the reply that hands it the backing file, and what the daemon settles for a passthrough
 writer whose writes it never sees (growth against the quota and the capacity at flush, fsync and
-release; the backing id released with the inode's last passthrough handle).
+release; the backing id released with the inode's last passthrough handle). Which complete
+files the request thread may open for reading without asking (`delegate`), and the count of
+the opens it answered (`collect`).
 
 No state of its own: the open files (kvfs.daemon.openfiles), the tree's counters and the
 passthrough registry, on the event loop, between awaits.
@@ -16,7 +18,7 @@ import os
 import pyfuse3
 from pyfuse3 import FUSEError
 
-from .index import Node
+from .index import ORPHAN_PARENT, Node
 from .openfiles import Handle, OpenFiles
 from .passthrough import PASS_HEADROOM
 from .reclaim import Reclaim
@@ -30,6 +32,7 @@ class Door:
         self.tree = tree
         self.files = files
         self.reclaim = reclaim
+        tree.collect_opens = self.collect
 
     def may_pass(self, inode: int) -> bool:
         """Whether an open of `inode` may be a passthrough open: the mount has it, and no
@@ -64,6 +67,8 @@ class Door:
         of = self.tree.open_files[node.inode]
         pt = self.tree.passthrough
         backing_id = 0
+        if h.writable:
+            pt.revoke(node.inode)  # the file may change from now on
         if self.may_pass(node.inode) and (not h.writable or self.room_to_pass(node.tenant)):
             backing_id = pt.register(node.inode, h.fd) or 0
         if backing_id:
@@ -78,9 +83,10 @@ class Door:
                 self.tree.stats.read(h.key, node.size)
                 pt.read_bytes += node.size
             return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
+        pt.revoke(node.inode)
         direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
-        if of.passthrough:  # beside passthrough opens the kernel allows only uncached ones
-            direct, keep = True, False
+        if of.passthrough or pt.thread_opens(node.inode):
+            direct, keep = True, False  # beside passthrough opens the kernel allows only these
         if not direct:
             h.cached = True
             of.cached += 1
@@ -118,11 +124,10 @@ class Door:
 
     async def release(self, h: Handle) -> None:
         """The last of a passthrough handle: what it wrote after its last flush (a dup'd
-        descriptor, a shared mapping) settled, its backing id released with the inode's
-        last passthrough handle."""
-        pt = self.tree.passthrough
+        descriptor, a shared mapping) settled. Its backing id is let go by `let_go`, once
+        the close is done."""
         if h.writable:
-            pt.writers[h.key[0]] -= 1
+            self.tree.passthrough.writers[h.key[0]] -= 1
             try:
                 self.files.observe(h.inode, h)
                 await self.settle(h)
@@ -130,4 +135,43 @@ class Door:
                 pass  # cut back and logged; nobody is left to tell
             except OSError as exc:
                 log.warning("inode %d: settling a passthrough writer failed: %s", h.inode, exc)
-        pt.release(h.inode)
+
+    def let_go(self, h: Handle) -> None:
+        """A passthrough handle is closed and its file settled (checked, if it was a block
+        just written): the file is delegated to the request thread if it may be, then the
+        handle's reference to the backing id is released (with the inode's last one, the
+        id)."""
+        node = self.tree.index.find(h.inode)
+        if node is not None:
+            self.delegate(node)
+        self.tree.passthrough.release(h.inode)
+
+    def delegate(self, node: Node) -> None:
+        """Let the request thread answer the read-only opens of `node` while nothing about
+        it changes: a complete hot file that a passthrough handle holds open now (its
+        backing id), no writer open, no audit of reads asked for."""
+        tree = self.tree
+        pt = tree.passthrough
+        if (not pt.routed or tree.audit is not None or not node.is_reg or node.tier
+                or node.writing or node.parent == ORPHAN_PARENT
+                or node.inode in tree.evicting or node.inode not in pt.ids):
+            return
+        of = tree.open_files.get(node.inode)
+        if of is not None and (of.writers or of.cached):
+            return
+        pt.delegate(node.inode, tree.key(node), node.size, tree.attrs(node))
+
+    def collect(self) -> None:
+        """The opens the request thread answered since the last call, counted as the daemon
+        counts its own: reads, bytes and mount hits per tenant and namespace, access times,
+        uses for eviction."""
+        tree = self.tree
+        for inode, key, size, opens, last_ns in tree.passthrough.harvest():
+            tree.stats.read(key, opens * size, opens)
+            tree.passthrough.read_bytes += opens * size
+            if key[1]:
+                tree.stats.by_ns[key].mount_hits += opens
+            tree.residency.opened(inode, last_ns)
+            node = tree.index.find(inode)
+            if node is not None:
+                tree.residency.record_use(node, last_ns / 1e9)

@@ -433,8 +433,10 @@ class Operations(pyfuse3.Operations):
             self.stats.by_ns[self.tree.key(node)].mount_hits += 1
         fi, backing_id = self.door.reply(node, fh, flags,
                                     busy=writable or self.open_files[inode].writers > 0)
-        if backing_id:
-            self.tree.passthrough.arm(fh, backing_id)  # last: the reply goes out next
+        if backing_id and not writable:
+            self.door.delegate(node)  # its next opens need not come here
+        # Last: the reply goes out next. A read-only open's closes have nothing to flush.
+        self.tree.passthrough.arm(fh, backing_id, noflush=not writable)
         return fi
 
     @handler
@@ -528,6 +530,8 @@ class Operations(pyfuse3.Operations):
         of, changed = self.files.closed(h)
         if h.writable and of.writers == 0 and changed:
             await self.adoption.complete(h.inode)
+        if h.passthrough:
+            self.door.let_go(h)
         self.tree.purge_orphan(h.inode)
 
     # -- names ----------------------------------------------------------------------------

@@ -237,7 +237,7 @@ class Governance:
             if not batch:
                 return removed
             seen.update(n.inode for n in batch)
-            batch = [n for n in batch if n.inode not in tree.open_files
+            batch = [n for n in batch if n.inode not in tree.in_use
                      and n.inode not in tree.evicting]
             hot = [n for n in batch if not n.tier]
             await self.reclaim.remove_files(hot, "forgotten")

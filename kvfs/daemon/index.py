@@ -21,7 +21,7 @@ import os
 import sqlite3
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -207,6 +207,9 @@ class Index:
         self.db.execute(f"PRAGMA wal_autocheckpoint={WAL_BACKSTOP_PAGES}")
         self.db.execute("PRAGMA journal_size_limit=16777216")  # the log's file, once reset
         self._checkpointer: sqlite3.Connection | None = None
+        # Told of every node whose row changes, before the change (None: any node): the
+        # mount's request thread stops answering for it (kvfs.daemon.passthrough `revoke`).
+        self.changed: Callable[[int | None], None] = lambda inode: None
         create_tables(self.db)
         if self.get_meta("schema_version") is None:
             self.set_meta("schema_version", str(SCHEMA_VERSION))
@@ -401,25 +404,32 @@ class Index:
     def update(self, inode: int, **fields: object) -> None:
         if not fields:
             return
+        self.changed(inode)
         cols = ", ".join(f"{k}=?" for k in fields)
         self.db.execute(f"UPDATE nodes SET {cols} WHERE inode=?", (*fields.values(), inode))
 
     def set_times(self, inodes: Iterable[int], now_ns: int) -> None:
         """mtime and ctime of these nodes: ``now_ns``, in one statement."""
+        inodes = list(inodes)
+        for i in inodes:
+            self.changed(i)
         self.db.executemany("UPDATE nodes SET mtime_ns=?, ctime_ns=? WHERE inode=?",
                             [(now_ns, now_ns, i) for i in inodes])
 
     def delete(self, inode: int) -> None:
+        self.changed(inode)
         self.db.execute("DELETE FROM nodes WHERE inode=?", (inode,))
 
     def orphan(self, inode: int) -> None:
         """Take a node out of the namespace, keeping the row for the kernel's references."""
+        self.changed(inode)
         self.db.execute(
             "UPDATE nodes SET parent=?, name=? WHERE inode=?",
             (ORPHAN_PARENT, b"#%d" % inode, inode),
         )
 
     def move(self, inode: int, new_parent: int, new_name: bytes) -> None:
+        self.changed(inode)
         self.db.execute(
             "UPDATE nodes SET parent=?, name=?, ctime_ns=? WHERE inode=?",
             (new_parent, new_name, time.time_ns(), inode),
@@ -431,6 +441,7 @@ class Index:
         A node at depth 2 is its own namespace, so `ns` applies to the top of the subtree
         and is inherited below it.
         """
+        self.changed(None)
         self.db.execute(
             """
             WITH RECURSIVE sub(i) AS (

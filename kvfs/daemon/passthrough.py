@@ -9,7 +9,16 @@ libfuse 3.14 cannot write those replies, so kvfs's C module `kvfs.daemon._passth
 them (docs/architecture.md, "The mount door"). Where the kernel, the privileges or the
 module refuse, every open takes the daemon's own path, and `kvfs status` says why.
 
-State (event loop only): `ids` (inode -> [backing id, passthrough handles]), `status`.
+What the daemon has decided once it need not decide again: the module's request thread reads
+/dev/fuse and answers in C the read-only opens (and their releases and attributes) of the
+complete hot files the daemon *delegated* to it (`delegate`, after the daemon's own
+passthrough open of one, or the last close of its writer), until the daemon takes one back
+(`revoke`: before anything about it changes, see `Index.changed`). The opens it answered are
+collected (`harvest`) and counted as the daemon counts its own.
+
+State (event loop only): `ids` (inode -> [backing id, references: passthrough handles, and
+one while the inode is delegated or its delegated opens are still open]), `delegated`
+(inode -> (stats key, size)), `lingering`, `status`.
 """
 
 from __future__ import annotations
@@ -19,8 +28,9 @@ import fcntl
 import logging
 import os
 import struct
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -44,6 +54,23 @@ STACKED = {0x794C7630, 0x65735546, 0xF15F}
 PASS_HEADROOM = 64 << 20
 #: How long after the mount the INIT reply may take before passthrough is given up.
 INIT_WAIT = 10.0
+#: Slots of the request thread's table (a power of two); at most half are delegated inodes,
+#: the least recently delegated taken back first. Each holds a backing file open in the
+#: kernel (no fd of the daemon's).
+TABLE_SLOTS = 1 << 15
+MAX_DELEGATED = TABLE_SLOTS // 2
+#: struct fuse_attr (include/uapi/linux/fuse.h): ino, size, blocks, atime, mtime, ctime,
+#: their nanoseconds, mode, nlink, uid, gid, rdev, blksize, flags.
+FUSE_ATTR = struct.Struct("=QQQQQQIIIIIIIIII")
+
+
+def fuse_attr(a: Any) -> bytes:
+    """A pyfuse3.EntryAttributes as the kernel's struct fuse_attr."""
+    sec = 1_000_000_000
+    return FUSE_ATTR.pack(a.st_ino, a.st_size, a.st_blocks, a.st_atime_ns // sec,
+                          a.st_mtime_ns // sec, a.st_ctime_ns // sec, a.st_atime_ns % sec,
+                          a.st_mtime_ns % sec, a.st_ctime_ns % sec, a.st_mode, a.st_nlink,
+                          a.st_uid, a.st_gid, a.st_rdev, a.st_blksize, 0)
 
 
 def fuse_fd() -> int:
@@ -97,6 +124,13 @@ class Passthrough:
     # Set once the state is known ("on" or "off"): an open that comes while it is
     # "starting" waits for it, so that no inode starts on the daemon's path by accident.
     ready: trio.Event = field(default_factory=trio.Event)
+    routed: bool = False  # the request thread runs (`hook`)
+    # Inodes whose read-only opens the request thread answers: (stats key, size), oldest
+    # delegation first.
+    delegated: OrderedDict[int, tuple[Any, int]] = field(default_factory=OrderedDict)
+    # Revoked while opens the thread gave out are open: their backing id is kept (the kernel
+    # wants every passthrough open of an inode on one backing file) until they are released.
+    lingering: dict[int, tuple[Any, int]] = field(default_factory=dict)
 
     @property
     def on(self) -> bool:
@@ -114,8 +148,14 @@ class Passthrough:
             return
         try:
             depth = 2 if _passthrough.fstype(backing) in STACKED else 1
-            self.dev = fuse_fd()
-            _passthrough.hook(self.dev, depth)
+            fd = fuse_fd()
+            try:
+                self.dev = _passthrough.hook(fd, depth, True, TABLE_SLOTS)
+                self.routed = True
+            except OSError as exc:
+                log.warning("no request thread (%s): every request goes through the daemon's "
+                            "loop", exc)
+                self.dev = _passthrough.hook(fd, depth)
         except OSError as exc:
             self.reason = f"cannot hook libfuse's replies: {exc}"
             return
@@ -155,10 +195,14 @@ class Passthrough:
         log.info("passthrough on: opened files are read and written by the kernel")
 
     def unhook(self) -> None:
-        """The session is closed: libfuse gets its own writev back."""
+        """The session is closed: the request thread ends, libfuse gets its own writev and
+        read back."""
         if _passthrough is not None and self.dev >= 0:
             _passthrough.unhook()
             self.dev = -1
+            self.routed = False
+            self.delegated.clear()
+            self.lingering.clear()
         if self.state != "off":
             self.state, self.reason = "off", "unmounted"
 
@@ -184,10 +228,71 @@ class Passthrough:
         entry[1] += 1
         return entry[0]
 
-    def arm(self, fh: int, backing_id: int) -> None:
-        """The reply about to be sent for `fh` names `backing_id`: the very last step of an
-        open or create handler (no await after it)."""
-        _passthrough.arm(fh, backing_id)
+    def arm(self, fh: int, backing_id: int, *, noflush: bool = False) -> None:
+        """The reply about to be sent for `fh` names `backing_id` (0: none, the daemon serves
+        it), and with `noflush` asks for no FLUSH at its closes (a read-only open: nothing to
+        flush, one round trip fewer per close): the very last step of an open or create
+        handler (no await after it). Nothing where libfuse's replies are not hooked."""
+        if self.dev >= 0 and (backing_id or noflush):
+            _passthrough.arm(fh, backing_id, noflush)
+
+    # -- the request thread's part ------------------------------------------------------------
+
+    def delegate(self, inode: int, key: Any, size: int, attrs: Any) -> None:
+        """Let the request thread answer the read-only opens of `inode` (a complete hot file
+        with a passthrough handle open, so a backing id) and its GETATTR (`attrs`, as the
+        daemon answers it), until `revoke`."""
+        if not self.routed or inode in self.lingering:
+            return
+        entry = self.ids.get(inode)
+        if entry is None:
+            return
+        if inode in self.delegated:
+            self.delegated.move_to_end(inode)
+            _passthrough.ready_put(inode, entry[0], fuse_attr(attrs))
+            return
+        while len(self.delegated) >= MAX_DELEGATED:
+            self.revoke(next(iter(self.delegated)))
+        if _passthrough.ready_put(inode, entry[0], fuse_attr(attrs)):
+            entry[1] += 1
+            self.delegated[inode] = (key, size)
+
+    def revoke(self, inode: int | None) -> None:
+        """The request thread answers no more opens of `inode` (None: of any): called before
+        anything about it changes. Opens it gave out stay open; the backing id is kept for
+        them until they are released (`harvest`)."""
+        if not self.delegated:
+            return
+        for i in list(self.delegated) if inode is None else (inode,):
+            got = self.delegated.pop(i, None)
+            if got is None:
+                continue
+            if _passthrough.ready_drop(i) > 0:
+                self.lingering[i] = got
+            else:
+                self.release(i)
+
+    def thread_opens(self, inode: int) -> int:
+        """Opens of `inode` the request thread gave out that the kernel still holds."""
+        if not self.routed or (inode not in self.delegated and inode not in self.lingering):
+            return 0
+        return _passthrough.ready_outstanding(inode)
+
+    def harvest(self) -> list[tuple[int, Any, int, int, int]]:
+        """The request thread's opens since the last harvest: (inode, stats key, size,
+        opens, last open in ns) each; and the backing ids of revoked inodes whose opens are
+        all released, let go."""
+        if not self.routed:
+            return []
+        out = []
+        for inode, opens, last_ns in _passthrough.ready_harvest():
+            got = self.delegated.get(inode) or self.lingering.get(inode)
+            if got is not None:
+                out.append((inode, got[0], got[1], opens, last_ns))
+        for inode in [i for i in self.lingering if _passthrough.ready_outstanding(i) == 0]:
+            del self.lingering[inode]
+            self.release(inode)
+        return out
 
     def release(self, inode: int) -> None:
         """A passthrough handle of `inode` closed; its backing id goes with the last one (the
@@ -204,8 +309,19 @@ class Passthrough:
     def snapshot(self) -> dict[str, object]:
         """stats.json "passthrough"."""
         st = _passthrough.state() if _passthrough is not None and self.dev >= 0 else {}
-        return {"state": self.state, "reason": self.reason, "open_files": len(self.ids),
+        held = sum(refs > (i in self.delegated or i in self.lingering)
+                   for i, (_, refs) in self.ids.items())
+        return {"state": self.state, "reason": self.reason, "open_files": held,
                 "registered": self.registered, "refused": self.refused, "cut": self.cut,
                 "read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
                 "replies_patched": st.get("opens_patched", 0),
-                "replies_missed": st.get("opens_missed", 0)}
+                "replies_missed": st.get("opens_missed", 0),
+                "request_thread": bool(st.get("routed")), "delegated": len(self.delegated),
+                "forwarded": st.get("forwarded", 0)}
+
+    def thread_requests(self) -> dict[str, int]:
+        """Requests the request thread answered, by kind (stats.json `requests`, as
+        `thread_<kind>`)."""
+        if not self.routed:
+            return {}
+        return {f"thread_{k}": v for k, v in _passthrough.state()["answered"].items() if v}

@@ -84,6 +84,7 @@ class Reclaim:
         while True:
             await trio.sleep(ATIME_FLUSH_INTERVAL)
             try:
+                self.tree.collect_opens()
                 self.residency.flush_atimes()
             except Exception:
                 log.exception("writing access times failed")
@@ -104,6 +105,7 @@ class Reclaim:
 
     async def evict(self, need: int, tenant: int | None = None, reason: str = "evicted") -> int:
         """Evict files worth at least `need` bytes; returns the bytes freed."""
+        self.tree.collect_opens()  # the uses the request thread saw count too
         return await self.remove_files(self.residency.victims(need, tenant), reason)
 
     async def remove_files(self, nodes: list[Node], reason: str) -> int:
@@ -114,6 +116,8 @@ class Reclaim:
         if not nodes:
             return 0
         tree = self.tree
+        for n in nodes:  # chosen as not open: the request thread opens none of them now
+            tree.passthrough.revoke(n.inode)
         for parent in {n.parent for n in nodes} & self.adoption.unlisted:
             await self.adoption.ensure_listed(parent)  # removing files is a change
         tree.evicting.update(n.inode for n in nodes)
@@ -195,10 +199,11 @@ class Reclaim:
 
     async def expire(self) -> int:
         """Remove the files that have outlived their tenant's retention limits."""
+        self.tree.collect_opens()
         self.residency.flush_atimes()  # retention reads access times from the index
         now = time.time_ns()
         removed = 0
-        busy = self.tree.open_files
+        busy = self.tree.in_use
         for tenant, limits in list(self.residency.limits.items()):
             if limits.max_idle is None and limits.max_age is None:
                 continue

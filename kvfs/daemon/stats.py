@@ -74,9 +74,9 @@ class Stats:
         c.files += files
         c.bytes += size
 
-    def read(self, key: Key, n: int) -> None:
+    def read(self, key: Key, n: int, times: int = 1) -> None:
         c = self.by_ns[key]
-        c.reads += 1
+        c.reads += times
         c.read_bytes += n
 
     def write(self, key: Key, n: int) -> None:

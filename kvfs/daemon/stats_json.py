@@ -23,6 +23,7 @@ from .tree import Tree
 def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
              ) -> dict[str, Any]:
     """Everything `.kvfs/stats.json` shows; the counters of `tenants` only (None: all)."""
+    tree.collect_opens()
     stats, info = tree.stats, tree.info
     keys = set(stats.by_ns)
     names = tree.names_of({t for t, _ in keys} | {n for _, n in keys if n > 0})
@@ -50,7 +51,9 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
         # Whether the kernel reads and writes open files itself (kvfs.daemon.passthrough), and why
         # not.
         "passthrough": tree.passthrough.snapshot(),
-        "requests": dict(REQUESTS),  # FUSE requests served, by kind (kvfs.daemon.handlers)
+        # FUSE requests served, by kind (kvfs.daemon.handlers), and those the request thread
+        # answered without the daemon's loop (`thread_<kind>`, kvfs.daemon.passthrough).
+        "requests": {**REQUESTS, **tree.passthrough.thread_requests()},
         # A tree adopted at its first mount until every directory is indexed: usage and
         # eviction see only what is indexed so far.
         "indexing": {"directories_left": len(adoption.unlisted),

@@ -187,6 +187,19 @@ def owner_gid(parent: Node, ctx: Any) -> int:
     return parent.gid if parent.mode & stat.S_ISGID else ctx.gid
 
 
+
+class InUse:
+    """The inodes open through the mount, never chosen for eviction or retention: those the
+    daemon's handles hold and those the request thread opened (kvfs.daemon.passthrough)."""
+
+    def __init__(self, open_files: dict[int, OpenFile], passthrough: Passthrough) -> None:
+        self.open_files = open_files
+        self.passthrough = passthrough
+
+    def __contains__(self, inode: object) -> bool:
+        return inode in self.open_files or (
+            isinstance(inode, int) and self.passthrough.thread_opens(inode) > 0)
+
 class Tree:
     """The shared state of one mount (see the module docstring for who changes what)."""
 
@@ -198,6 +211,7 @@ class Tree:
                  passthrough: bool = DEFAULTS["passthrough"]) -> None:
         self.index = index
         self.passthrough = Passthrough(wanted=passthrough)
+        index.changed = self.passthrough.revoke  # nothing changes under the request thread
         self.writeback_cache = writeback_cache
         self.keep_cache = keep_cache
         self.store = store
@@ -219,12 +233,16 @@ class Tree:
         self._dir_paths: dict[int, bytes] = {ROOT_INODE: b""}
         self.serving = False  # the kernel connection is up (set once the session runs)
         self.nursery: trio.Nursery | None = None
+        # Counts the opens the request thread answered (kvfs.daemon.door `Door.collect`, set
+        # by the door): before usage, hits or access times are read.
+        self.collect_opens: Callable[[], None] = lambda: None
         #: Placements, keys, forgetting (kvfs.daemon.governance; set by Operations).
         self.governance: Any = None
+        self.in_use = InUse(self.open_files, self.passthrough)
         self.residency = Residency(
             index, self.stats, Budget(info.capacity, info.high_watermark, info.low_watermark),
             policy=info.policy, entries_limit=info.policy_entries,
-            open_files=self.open_files, evicting=self.evicting)
+            open_files=self.in_use, evicting=self.evicting)
 
     async def io(self, fn: Callable[..., T], *args: Any, tenant: int = 0) -> T:
         """Run blocking backing I/O in a worker thread. Work on a tenant's tree (`tenant`)
