@@ -392,8 +392,9 @@ class Operations(pyfuse3.Operations):
                 raise FUSEError(errno.EACCES)
             content = (f"{__version__}\n".encode() if inode == VVERSION else stats_json.render(
                 self.tree, self.adoption, await stats_json.visible_tenants(self.tree, ctx)))
-            return pyfuse3.FileInfo(fh=self.files.new_fh(Handle(inode, content=content)),
-                                    direct_io=True, keep_cache=False)
+            fh = self.files.new_fh(Handle(inode, content=content))
+            self.tree.passthrough.arm(fh, 0, noflush=True)  # read-only: nothing to flush
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
         node = self.index.get(inode)
         if not node.is_reg:
             raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)

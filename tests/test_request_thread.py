@@ -1,0 +1,162 @@
+"""The mount's request thread (kvfs.daemon._passthrough, through a real mount): the read-only
+opens of complete hot files the daemon delegated to it, their releases and their attributes
+are answered in C, and nothing the daemon promises weakens: every change to a file is seen at
+its next open and stat, its reads count, a file it opened is not evicted, and the mount ends
+cleanly with files it opened still open.
+
+Each test checks first that the mount passes files through (`passthrough_on`, which skips
+where the kernel or `--no-passthrough` turns it off: then there is no request thread).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from .conftest import kvfs
+from .test_passthrough import passthrough_on, requests
+
+pytestmark = pytest.mark.mount
+K = 1024
+
+
+def delta(after: dict[str, int], before: dict[str, int], key: str) -> int:
+    return after.get(key, 0) - before.get(key, 0)
+
+
+@pytest.fixture
+def ns(mount):
+    passthrough_on(mount)
+    assert mount.stats()["passthrough"]["request_thread"]
+    d = mount.mnt / "t" / "ns"
+    d.mkdir(parents=True)
+    return d
+
+
+def test_a_file_read_again_is_opened_by_the_thread_and_counted(mount, ns):
+    f = ns / "a"
+    data = os.urandom(300_000)
+    f.write_bytes(data)  # delegated at its writer's last close
+    c0 = mount.stats()["tenants"]["t"]["ns"]
+    r0 = requests(mount)
+    for _ in range(5):
+        assert f.read_bytes() == data
+    r1 = requests(mount)
+    # (The one open the daemon served is that of stats.json, read for these counters.)
+    assert delta(r1, r0, "thread_open") == 5 and delta(r1, r0, "open") == 1
+    assert delta(r1, r0, "thread_release") == 5 and delta(r1, r0, "flush") == 0
+    # Counted as the daemon counts the opens it serves: reads, bytes, mount hits.
+    c1 = mount.stats()["tenants"]["t"]["ns"]
+    assert c1["reads"] - c0["reads"] == 5
+    assert c1["read_bytes"] - c0["read_bytes"] == 5 * len(data)
+    assert c1["mount_hits"] - c0["mount_hits"] == 5
+    assert mount.stats()["passthrough"]["delegated"] >= 1
+
+
+def test_every_change_is_seen_at_the_next_open_and_stat(mount, ns):
+    """After each change, the file is read (and stat'ed) twice: the first open may be the
+    daemon's, the second is the thread's (the daemon delegated it again), and both see the
+    change."""
+    f = ns / "f"
+
+    def twice(path, want: bytes) -> os.stat_result:
+        before = requests(mount)
+        for _ in range(2):
+            assert path.read_bytes() == want
+            st = os.stat(path)
+            assert st.st_size == len(want)
+        assert delta(requests(mount), before, "thread_open") >= 1
+        return st
+
+    f.write_bytes(b"one")
+    twice(f, b"one")
+    with open(f, "ab") as w:  # a writer: the thread answers no more opens of it
+        w.write(b" two")
+    twice(f, b"one two")
+    os.chmod(f, 0o600)
+    assert twice(f, b"one two").st_mode & 0o777 == 0o600
+    os.utime(f, ns=(1_000_000_000, 2_000_000_000))
+    assert twice(f, b"one two").st_mtime_ns == 2_000_000_000
+    os.truncate(f, 3)
+    twice(f, b"one")
+    os.rename(f, ns / "g")
+    assert not f.exists()
+    twice(ns / "g", b"one")
+    os.unlink(ns / "g")
+    with pytest.raises(FileNotFoundError):
+        open(ns / "g", "rb")
+    assert "Traceback" not in mount.log_text()
+
+
+def test_stat_after_a_thread_open_shows_the_open_as_access_time(mount, ns):
+    f = ns / "t"
+    f.write_bytes(b"x" * 100)
+    f.read_bytes()
+    first = os.stat(f).st_atime_ns
+    time.sleep(0.05)
+    before = requests(mount)
+    f.read_bytes()
+    assert delta(requests(mount), before, "thread_open") == 1
+    assert os.stat(f).st_atime_ns > first
+
+
+def test_a_file_the_thread_opened_is_not_evicted_while_open(mount_factory):
+    m = mount_factory(extra=["--capacity", "1M", "--high-watermark", "0.9",
+                             "--low-watermark", "0.5"])
+    passthrough_on(m)
+    kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+    ns = m.mnt / "t" / "ns"
+    ns.mkdir()
+    (ns / "held").write_bytes(b"h" * (300 * K))  # near the capacity: the daemon's writes
+    (ns / "held").read_bytes()  # the daemon's passthrough open: delegated from then on
+    before = requests(m)
+    with open(ns / "held", "rb") as held:
+        assert delta(requests(m), before, "thread_open") == 1
+        for i in range(10):
+            (ns / f"f{i}").write_bytes(b"x" * (150 * K))
+        assert held.read(3) == b"hhh"
+        assert "held" in os.listdir(ns)
+        assert m.stats()["used_bytes"] <= 1 << 20
+    for i in range(10, 20):  # closed: it may go now, the oldest file of all
+        (ns / f"f{i}").write_bytes(b"x" * (150 * K))
+    assert "held" not in os.listdir(ns)
+
+
+def test_the_mount_ends_with_files_the_thread_opened_still_open(mount, ns):
+    """SIGTERM (the daemon unmounts itself, lazily: the mount is busy) while a file the
+    thread opened is open: the daemon ends, its thread with it, and the mount is gone; the
+    open file answers an error, not a hang."""
+    f = ns / "k"
+    f.write_bytes(b"k" * 4096)
+    before = requests(mount)
+    held = open(f, "rb")
+    try:
+        assert delta(requests(mount), before, "thread_open") == 1
+        pid = mount.pid()
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not os.path.exists(f"/proc/{pid}"), mount.log_text()[-3000:]
+        assert not os.path.ismount(mount.mnt)
+        got: list[object] = []
+
+        def read() -> None:
+            try:
+                got.append(os.pread(held.fileno(), 4096, 0))
+            except OSError as exc:
+                got.append(exc)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(10)
+        # The kernel's own read of the backing file, or an error: never a hang.
+        assert got, "a read of a file open across the unmount hung"
+        assert got[0] == b"k" * 4096 or isinstance(got[0], OSError), got
+    finally:
+        held.close()
+    assert "Traceback" not in mount.log_text()
