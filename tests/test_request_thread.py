@@ -160,3 +160,39 @@ def test_the_mount_ends_with_files_the_thread_opened_still_open(mount, ns):
     finally:
         held.close()
     assert "Traceback" not in mount.log_text()
+
+
+def drop_dentries() -> None:
+    """The kernel forgets its cached names and inodes (FORGETs reach the daemon)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("2")
+
+
+def test_names_looked_up_again_are_answered_and_forgotten_right(mount, ns):
+    """After the kernel forgot them, a delegated file's name is looked up by the thread;
+    the daemon still counts the kernel's references right: a file unlinked while open
+    is purged once closed and forgotten, and the mount stays consistent."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping the kernel's caches needs root")
+    files = {ns / f"c{i}": os.urandom(5000 + i) for i in range(8)}
+    for f, data in files.items():
+        f.write_bytes(data)
+        assert f.read_bytes() == data
+    for _ in range(2):
+        drop_dentries()
+        before = requests(mount)
+        for f, data in files.items():
+            assert f.read_bytes() == data
+        after = requests(mount)
+        assert delta(after, before, "thread_lookup") >= len(files)
+        assert delta(after, before, "thread_open") == len(files)
+    victim = ns / "c0"
+    held = open(victim, "rb")
+    victim.unlink()
+    assert held.read() == files[victim]
+    held.close()
+    drop_dentries()
+    assert sorted(p.name for p in ns.iterdir()) == sorted(f.name for f in files if f != victim)
+    assert mount.stats()["open_files"] == 0
+    assert "Traceback" not in mount.log_text()

@@ -33,8 +33,11 @@
  *      - RELEASE, FLUSH and FSYNC of those handles (nothing to do: the file is read-only to
  *        them and the kernel holds its backing file), and READ (EIO: the kernel asks only to
  *        fill the FUSE inode's own pages ahead, which passthrough reads never use);
- *      - GETATTR of an inode in the ready table: the attributes the daemon put, the access
- *        time moved to the last open;
+ *      - GETATTR of an inode in the ready table (a file, or a directory whose attributes the
+ *        daemon put after changing it): the attributes the daemon put, a file's access time
+ *        moved to its last open;
+ *      - LOOKUP of a delegated file's name in its directory: its entry (the daemon adds the
+ *        lookups to its count, `ready_lookups`, before it counts a FORGET);
  *      - GETXATTR of a name outside the `user.` namespace: EOPNOTSUPP, as the daemon answers
  *        (the kernel asks `security.capability` before a file's first write).
  *    Every other request is sent whole to the socket, where libfuse reads it (`request_read`)
@@ -85,8 +88,11 @@
 #define FOPEN_PASSTHROUGH (1u << 7)
 /* What may stand beside FOPEN_PASSTHROUGH (the kernel refuses anything else with EINVAL). */
 #define PASSTHROUGH_KEEP (FOPEN_PARALLEL_DIRECT_WRITES | FOPEN_NOFLUSH)
-enum { OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18, OP_FSYNC = 20,
-       OP_GETXATTR = 22, OP_FLUSH = 25, N_OPS = 64 };
+enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18,
+       OP_FSYNC = 20, OP_GETXATTR = 22, OP_FLUSH = 25, N_OPS = 64 };
+/* The daemon's entry and attribute timeout (kvfs.daemon.tree ENTRY_TIMEOUT), in seconds. */
+#define TIMEOUT_S 10
+#define NAME_MAX_ 255
 /* Handles the request thread gives out: this bit and the inode (inodes stay below it). */
 #define C_FH (1ull << 63)
 /* The largest request the kernel sends (a 1 MiB write and its headers), with room to spare. */
@@ -214,19 +220,37 @@ enum { EMPTY = 0, LIVE = 1, DROPPED = 2, TOMB = 3 };
 
 struct entry {
     uint64_t ino;
+    uint64_t parent;        /* its directory, where its name is in the names table */
     int64_t last_ns;        /* the last open the thread answered (CLOCK_REALTIME) */
     uint32_t opens;         /* the thread's handles of it the kernel has not released */
     uint32_t new_opens;     /* opens since the last harvest */
-    int32_t backing_id;
+    uint32_t lookups;       /* LOOKUPs answered since the daemon last took them */
+    int32_t backing_id;     /* 0: attributes only (a directory): no open, no lookup */
     uint8_t state;
+    uint8_t name_len;
+    char name[NAME_MAX_];
     unsigned char attr[ATTR];
 };
+
+/* (directory, name) -> inode of the files whose LOOKUP the thread answers: open addressing
+ * by a hash of both; a slot names an inode whose entry holds the name itself. */
+struct name_slot { uint64_t ino; uint8_t state; };
 
 static pthread_mutex_t table_lock = PTHREAD_MUTEX_INITIALIZER;
 static struct entry *table;     /* guarded by table_lock (like everything in this section) */
 static size_t table_slots;      /* a power of two */
 static size_t table_used;       /* slots not EMPTY (tombstones count: they lengthen probes) */
 static size_t table_live;
+static struct name_slot *names; /* table_slots of them */
+static size_t names_used;
+
+static uint64_t name_hash(uint64_t parent, const char *name, size_t len)
+{
+    uint64_t h = parent * 0x9E3779B97F4A7C15ull ^ 0xCBF29CE484222325ull;
+    for (size_t i = 0; i < len; i++)
+        h = (h ^ (unsigned char)name[i]) * 0x100000001B3ull;
+    return h;
+}
 
 /* The slot of `ino` (state LIVE or DROPPED), or NULL; `free_slot` gets where it would go. */
 static struct entry *find(uint64_t ino, struct entry **free_slot)
@@ -254,6 +278,69 @@ static struct entry *find(uint64_t ino, struct entry **free_slot)
     return NULL;
 }
 
+/* The live entry named `name` in directory `parent`, or NULL. */
+static struct entry *find_name(uint64_t parent, const char *name, size_t len)
+{
+    if (!names || !len || len > NAME_MAX_)
+        return NULL;
+    size_t mask = table_slots - 1, i = (size_t)name_hash(parent, name, len) & mask;
+    for (size_t n = 0; n < table_slots; n++, i = (i + 1) & mask) {
+        struct name_slot *ns = &names[i];
+        if (ns->state == EMPTY)
+            return NULL;
+        if (ns->state != LIVE)
+            continue;
+        struct entry *e = find(ns->ino, NULL);
+        if (e && e->state == LIVE && e->parent == parent && e->name_len == len &&
+            memcmp(e->name, name, len) == 0)
+            return e;
+    }
+    return NULL;
+}
+
+/* Enter entry `e`'s name (it has one), or take it out. */
+static void name_set(const struct entry *e, int present)
+{
+    if (!names || !e->name_len)
+        return;
+    size_t mask = table_slots - 1, i = (size_t)name_hash(e->parent, e->name, e->name_len) & mask;
+    struct name_slot *tomb = NULL;
+    for (size_t n = 0; n < table_slots; n++, i = (i + 1) & mask) {
+        struct name_slot *ns = &names[i];
+        if (ns->state == EMPTY) {
+            if (present) {
+                if (!tomb) {
+                    if (names_used + 1 > table_slots * 3 / 4)
+                        return;  /* full of tombstones: the name is simply not answered */
+                    names_used++;
+                }
+                ns = tomb ? tomb : ns;
+                ns->ino = e->ino;
+                ns->state = LIVE;
+            }
+            return;
+        }
+        if (ns->state == TOMB) {
+            if (!tomb)
+                tomb = ns;
+        } else if (ns->ino == e->ino) {
+            if (!present)
+                ns->state = TOMB;
+            return;
+        }
+    }
+}
+
+/* Rebuild the names table without its tombstones. */
+static void compact_names(void)
+{
+    memset(names, 0, table_slots * sizeof(*names));
+    names_used = 0;
+    for (size_t i = 0; i < table_slots; i++)
+        if (table[i].state == LIVE)
+            name_set(&table[i], 1);
+}
+
 /* Rebuild the table without its tombstones (when they fill it). */
 static void compact(void)
 {
@@ -278,8 +365,10 @@ static void compact(void)
 
 static void forget_entry(struct entry *e)
 {
-    if (e->state == LIVE)
+    if (e->state == LIVE) {
         table_live--;
+        name_set(e, 0);
+    }
     e->state = TOMB;
 }
 
@@ -326,13 +415,31 @@ static int answer(const unsigned char *req, size_t len)
         reply(unique, EOPNOTSUPP, NULL, 0);
         return 1;
     }
+    case OP_LOOKUP: {  /* the name, NUL-terminated */
+        size_t room = len - IN_HEADER, n = strnlen((const char *)in, room);
+        if (n == room)
+            return 0;
+        struct entry *e = find_name(ino, (const char *)in, n);
+        if (!e || !e->backing_id)
+            return 0;
+        /* fuse_entry_out: nodeid, generation, entry_valid, attr_valid, their nsec, attr */
+        unsigned char out[ENTRY_OUT];
+        memset(out, 0, 40);
+        put64(out, e->ino);
+        put64(out + 16, TIMEOUT_S);
+        put64(out + 24, TIMEOUT_S);
+        memcpy(out + 40, e->attr, ATTR);
+        e->lookups++;  /* the kernel holds one more: the daemon adds it to its count */
+        reply(unique, 0, out, sizeof(out));
+        return 1;
+    }
     case OP_GETATTR: {  /* fuse_getattr_in {u32 flags, u32 dummy, u64 fh} */
         struct entry *e = find(ino, NULL);
         if (!e || e->state != LIVE)
             return 0;
         unsigned char out[ATTR_OUT];
         memset(out, 0, 16);
-        put64(out, 10);  /* attr_valid: the daemon's attribute timeout (10 s) */
+        put64(out, TIMEOUT_S);  /* attr_valid: the daemon's attribute timeout */
         memcpy(out + 16, e->attr, ATTR);
         reply(unique, 0, out, sizeof(out));
         return 1;
@@ -344,7 +451,7 @@ static int answer(const unsigned char *req, size_t len)
         if ((flags & O_ACCMODE) != O_RDONLY || (flags & O_TRUNC))
             return 0;
         struct entry *e = find(ino, NULL);
-        if (!e || e->state != LIVE)
+        if (!e || e->state != LIVE || !e->backing_id)
             return 0;
         int64_t t = now_ns();
         e->opens++;
@@ -632,9 +739,17 @@ static PyObject *py_hook(PyObject *self, PyObject *args)
     }
     pthread_mutex_lock(&table_lock);
     free(table);
+    free(names);
     table = calloc((size_t)slots, sizeof(*table));
+    names = calloc((size_t)slots, sizeof(*names));
+    if (!table || !names) {
+        free(table);
+        free(names);
+        table = NULL;
+        names = NULL;
+    }
     table_slots = table ? (size_t)slots : 0;
-    table_used = table_live = 0;
+    table_used = table_live = names_used = 0;
     memset(answered, 0, sizeof(answered));
     forwarded = 0;
     pthread_mutex_unlock(&table_lock);
@@ -671,8 +786,10 @@ static PyObject *py_unhook(PyObject *self, PyObject *noargs)
     }
     pthread_mutex_lock(&table_lock);
     free(table);
+    free(names);
     table = NULL;
-    table_slots = table_used = table_live = 0;
+    names = NULL;
+    table_slots = table_used = table_live = names_used = 0;
     pthread_mutex_unlock(&table_lock);
     fuse_fd = dev_fd = -1;
     init_armed = armed = 0;
@@ -694,22 +811,29 @@ static PyObject *py_arm(PyObject *self, PyObject *args)
 
 static PyObject *py_ready_put(PyObject *self, PyObject *args)
 {
-    unsigned long long ino;
+    unsigned long long ino, parent = 0;
     int backing_id;
-    Py_buffer attr;
-    if (!PyArg_ParseTuple(args, "Kiy*", &ino, &backing_id, &attr))
+    Py_buffer attr, name = {0};
+    if (!PyArg_ParseTuple(args, "Kiy*|Ky*", &ino, &backing_id, &attr, &parent, &name))
         return NULL;
-    if (attr.len != ATTR || ino & C_FH || backing_id <= 0) {
+    if (attr.len != ATTR || ino & C_FH || backing_id < 0 || name.len > NAME_MAX_ ||
+        (name.len && (!backing_id || memchr(name.buf, 0, (size_t)name.len)))) {
         PyBuffer_Release(&attr);
-        PyErr_SetString(PyExc_ValueError, "ready_put(inode, backing_id > 0, 88-byte fuse_attr)");
+        if (name.obj)
+            PyBuffer_Release(&name);
+        PyErr_SetString(PyExc_ValueError, "ready_put(inode, backing_id >= 0, 88-byte fuse_attr"
+                        "[, parent, name]): a name only with a backing id");
         return NULL;
     }
     int put = 0;
     pthread_mutex_lock(&table_lock);
     struct entry *slot = NULL, *e = find(ino, &slot);
     if (e && e->state == LIVE) {
-        memcpy(e->attr, attr.buf, ATTR);
-        put = e->backing_id == backing_id;  /* one backing file per inode, as the kernel wants */
+        /* One backing file per inode, as the kernel wants; its name as it was put. */
+        put = e->backing_id == backing_id && e->parent == parent &&
+              e->name_len == name.len && memcmp(e->name, name.buf, (size_t)name.len) == 0;
+        if (put)
+            memcpy(e->attr, attr.buf, ATTR);
     } else if (!e && slot && table_live < table_slots / 2) {
         if (table_used + 1 > table_slots * 3 / 4) {
             compact();
@@ -723,31 +847,61 @@ static PyObject *py_ready_put(PyObject *self, PyObject *args)
             slot->ino = ino;
             slot->backing_id = backing_id;
             slot->state = LIVE;
+            slot->parent = parent;
+            slot->name_len = (uint8_t)name.len;
+            memcpy(slot->name, name.buf, (size_t)name.len);
             memcpy(slot->attr, attr.buf, ATTR);
             table_live++;
+            if (names_used + 1 > table_slots * 3 / 4)
+                compact_names();
+            name_set(slot, 1);
             put = 1;
         }
     }
     pthread_mutex_unlock(&table_lock);
     PyBuffer_Release(&attr);
+    if (name.obj)
+        PyBuffer_Release(&name);
     return PyBool_FromLong(put);
 }
 
 static PyObject *py_ready_drop(PyObject *self, PyObject *args)
 {
+    /* (opens the thread gave out still open, LOOKUPs it answered not taken yet), or None */
     unsigned long long ino;
     if (!PyArg_ParseTuple(args, "K", &ino))
         return NULL;
-    long opens = -1;
+    long opens = -1, lookups = 0;
     pthread_mutex_lock(&table_lock);
     struct entry *e = find(ino, NULL);
     if (e && e->state == LIVE) {
         opens = e->opens;
+        lookups = e->lookups;
+        e->lookups = 0;
+        name_set(e, 0);
         table_live--;
         e->state = e->opens ? DROPPED : TOMB;
     }
     pthread_mutex_unlock(&table_lock);
-    return PyLong_FromLong(opens);
+    if (opens < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(ll)", opens, lookups);
+}
+
+static PyObject *py_ready_lookups(PyObject *self, PyObject *args)
+{
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    struct entry *e = find(ino, NULL);
+    long n = 0;
+    if (e) {
+        n = e->lookups;
+        e->lookups = 0;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyLong_FromLong(n);
 }
 
 static PyObject *py_ready_outstanding(PyObject *self, PyObject *args)
@@ -764,23 +918,26 @@ static PyObject *py_ready_outstanding(PyObject *self, PyObject *args)
 
 static PyObject *py_ready_harvest(PyObject *self, PyObject *noargs)
 {
-    /* [(inode, opens since the last harvest, last open ns)] for every entry with new opens */
+    /* [(inode, opens since the last harvest, last open ns, LOOKUPs answered)] of every entry
+     * with new opens or lookups */
     PyObject *out = PyList_New(0);
     if (!out)
         return NULL;
     pthread_mutex_lock(&table_lock);
     size_t n = 0;
     for (size_t i = 0; i < table_slots; i++)
-        n += (table[i].state == LIVE || table[i].state == DROPPED) && table[i].new_opens;
-    unsigned long long (*got)[3] = n ? malloc(n * sizeof(*got)) : NULL;
+        n += (table[i].state == LIVE || table[i].state == DROPPED) &&
+             (table[i].new_opens || table[i].lookups);
+    unsigned long long (*got)[4] = n ? malloc(n * sizeof(*got)) : NULL;
     size_t k = 0;
     for (size_t i = 0; got && i < table_slots; i++) {
         struct entry *e = &table[i];
-        if ((e->state == LIVE || e->state == DROPPED) && e->new_opens) {
+        if ((e->state == LIVE || e->state == DROPPED) && (e->new_opens || e->lookups)) {
             got[k][0] = e->ino;
             got[k][1] = e->new_opens;
             got[k][2] = (unsigned long long)e->last_ns;
-            e->new_opens = 0;
+            got[k][3] = e->lookups;
+            e->new_opens = e->lookups = 0;
             k++;
         }
     }
@@ -790,7 +947,8 @@ static PyObject *py_ready_harvest(PyObject *self, PyObject *noargs)
         return PyErr_NoMemory();
     }
     for (size_t i = 0; i < k; i++) {
-        PyObject *t = Py_BuildValue("(KKL)", got[i][0], got[i][1], (long long)got[i][2]);
+        PyObject *t = Py_BuildValue("(KKLK)", got[i][0], got[i][1], (long long)got[i][2],
+                                    got[i][3]);
         if (!t || PyList_Append(out, t) != 0) {
             Py_XDECREF(t);
             Py_DECREF(out);
@@ -811,7 +969,7 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
     static const struct { int op; const char *name; } names[] = {
         {OP_GETATTR, "getattr"}, {OP_OPEN, "open"}, {OP_RELEASE, "release"},
         {OP_FSYNC, "fsync"}, {OP_GETXATTR, "getxattr"}, {OP_FLUSH, "flush"},
-        {OP_READ, "read"}};
+        {OP_READ, "read"}, {OP_LOOKUP, "lookup"}};
     enum { N = sizeof(names) / sizeof(names[0]) };
     pthread_mutex_lock(&table_lock);
     unsigned long long counts[N], fwd = forwarded;
@@ -864,14 +1022,18 @@ static PyMethodDef methods[] = {
      "arm(fh, backing_id, noflush=False): this thread's next OPEN/CREATE reply of fh passes "
      "through (backing_id > 0), and with noflush its close sends no FLUSH"},
     {"ready_put", py_ready_put, METH_VARARGS,
-     "ready_put(inode, backing_id, attr) -> bool: the request thread may answer read-only "
-     "opens of inode with backing_id, and its GETATTR with attr (88 bytes of fuse_attr)"},
+     "ready_put(inode, backing_id, attr, parent=0, name=b'') -> bool: the request thread may "
+     "answer GETATTR of inode with attr (88 bytes of fuse_attr); with a backing id, its "
+     "read-only opens; with a name, its LOOKUP in parent"},
     {"ready_drop", py_ready_drop, METH_VARARGS,
-     "ready_drop(inode) -> int: no more; the thread's opens of it still open (-1: not there)"},
+     "ready_drop(inode) -> (opens still open, lookups answered) or None: no more"},
+    {"ready_lookups", py_ready_lookups, METH_VARARGS,
+     "ready_lookups(inode) -> int: the LOOKUPs of inode the thread answered since last asked"},
     {"ready_outstanding", py_ready_outstanding, METH_VARARGS,
      "ready_outstanding(inode) -> int: the thread's opens of inode the kernel holds"},
     {"ready_harvest", py_ready_harvest, METH_NOARGS,
-     "ready_harvest() -> [(inode, opens, last_ns)]: the thread's opens since the last call"},
+     "ready_harvest() -> [(inode, opens, last_ns, lookups)]: the thread's answers since the "
+     "last call"},
     {"state", py_state, METH_NOARGS, "state(): what the hooks and the thread have seen and done"},
     {"fstype", py_fstype, METH_VARARGS, "fstype(path): statfs(2)'s f_type"},
     {NULL, NULL, 0, NULL},

@@ -159,7 +159,8 @@ class Door:
         of = tree.open_files.get(node.inode)
         if of is not None and (of.writers or of.cached):
             return
-        pt.delegate(node.inode, tree.key(node), node.size, tree.attrs(node))
+        pt.delegate(node.inode, tree.key(node), node.size, tree.attrs(node), node.parent,
+                    node.name)
 
     def collect(self) -> None:
         """The opens the request thread answered since the last call, counted as the daemon

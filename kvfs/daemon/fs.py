@@ -176,6 +176,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         for inode, nlookup in inode_list:
+            self.tree.passthrough.take_lookups(inode)  # those its request thread answered
             left = self.lookups.get(inode, 0) - nlookup
             if left > 0:
                 self.lookups[inode] = left

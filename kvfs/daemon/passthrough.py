@@ -125,6 +125,8 @@ class Passthrough:
     # "starting" waits for it, so that no inode starts on the daemon's path by accident.
     ready: trio.Event = field(default_factory=trio.Event)
     routed: bool = False  # the request thread runs (`hook`)
+    # The kernel's lookup counts (Tree.lookups): the LOOKUPs the thread answered are added.
+    kernel_lookups: dict[int, int] = field(default_factory=dict)
     # Inodes whose read-only opens the request thread answers: (stats key, size), oldest
     # delegation first.
     delegated: OrderedDict[int, tuple[Any, int]] = field(default_factory=OrderedDict)
@@ -238,10 +240,11 @@ class Passthrough:
 
     # -- the request thread's part ------------------------------------------------------------
 
-    def delegate(self, inode: int, key: Any, size: int, attrs: Any) -> None:
+    def delegate(self, inode: int, key: Any, size: int, attrs: Any, parent: int,
+                 name: bytes) -> None:
         """Let the request thread answer the read-only opens of `inode` (a complete hot file
-        with a passthrough handle open, so a backing id) and its GETATTR (`attrs`, as the
-        daemon answers it), until `revoke`."""
+        with a passthrough handle open, so a backing id), its GETATTR (`attrs`, as the
+        daemon answers it) and the LOOKUP of `name` in `parent`, until `revoke`."""
         if not self.routed or inode in self.lingering:
             return
         entry = self.ids.get(inode)
@@ -249,11 +252,11 @@ class Passthrough:
             return
         if inode in self.delegated:
             self.delegated.move_to_end(inode)
-            _passthrough.ready_put(inode, entry[0], fuse_attr(attrs))
+            _passthrough.ready_put(inode, entry[0], fuse_attr(attrs), parent, name)
             return
         while len(self.delegated) >= MAX_DELEGATED:
             self.revoke(next(iter(self.delegated)))
-        if _passthrough.ready_put(inode, entry[0], fuse_attr(attrs)):
+        if _passthrough.ready_put(inode, entry[0], fuse_attr(attrs), parent, name):
             entry[1] += 1
             self.delegated[inode] = (key, size)
 
@@ -267,10 +270,22 @@ class Passthrough:
             got = self.delegated.pop(i, None)
             if got is None:
                 continue
-            if _passthrough.ready_drop(i) > 0:
+            dropped = _passthrough.ready_drop(i)
+            opens, lookups = dropped if dropped is not None else (0, 0)
+            if lookups:
+                self.kernel_lookups[i] = self.kernel_lookups.get(i, 0) + lookups
+            if opens > 0:
                 self.lingering[i] = got
             else:
                 self.release(i)
+
+    def take_lookups(self, inode: int) -> None:
+        """Add the LOOKUPs of `inode` the request thread answered to the daemon's count (the
+        kernel holds them: before a FORGET of it is counted)."""
+        if self.routed and (inode in self.delegated or inode in self.lingering):
+            n = _passthrough.ready_lookups(inode)
+            if n:
+                self.kernel_lookups[inode] = self.kernel_lookups.get(inode, 0) + n
 
     def thread_opens(self, inode: int) -> int:
         """Opens of `inode` the request thread gave out that the kernel still holds."""
@@ -285,9 +300,11 @@ class Passthrough:
         if not self.routed:
             return []
         out = []
-        for inode, opens, last_ns in _passthrough.ready_harvest():
+        for inode, opens, last_ns, lookups in _passthrough.ready_harvest():
+            if lookups:
+                self.kernel_lookups[inode] = self.kernel_lookups.get(inode, 0) + lookups
             got = self.delegated.get(inode) or self.lingering.get(inode)
-            if got is not None:
+            if got is not None and opens:
                 out.append((inode, got[0], got[1], opens, last_ns))
         for inode in [i for i in self.lingering if _passthrough.ready_outstanding(i) == 0]:
             del self.lingering[inode]

@@ -227,6 +227,7 @@ class Tree:
         self.stats = Stats()
         self.stats.reset_usage(index.usage_by_namespace())
         self.lookups: dict[int, int] = {}
+        self.passthrough.kernel_lookups = self.lookups  # its thread answers LOOKUPs too
         self.open_files: dict[int, OpenFile] = {}
         self.orphans: set[int] = set()  # unlinked inodes the kernel or an open file still holds
         self.evicting: set[int] = set()
