@@ -248,6 +248,7 @@ class Index:
             yield
         except BaseException:
             self.db.execute("ROLLBACK")
+            self.changed(None)  # what was said of rows within it no longer holds
             raise
         self.db.execute("COMMIT")
 
@@ -372,6 +373,7 @@ class Index:
         now = time.time_ns()
         mtime = now if mtime_ns is None else mtime_ns
         atime = now if atime_ns is None else atime_ns
+        self.changed(parent)  # its link count and times
         cur = self.db.execute(
             "INSERT INTO nodes (inode, parent, name, mode, uid, gid, size, atime_ns, mtime_ns, "
             "ctime_ns, target, tenant, ns, writing, block_hash, parent_hash) "
@@ -418,18 +420,25 @@ class Index:
 
     def delete(self, inode: int) -> None:
         self.changed(inode)
-        self.db.execute("DELETE FROM nodes WHERE inode=?", (inode,))
+        row = self.db.execute("DELETE FROM nodes WHERE inode=? RETURNING parent",
+                              (inode,)).fetchone()
+        if row is not None:
+            self.changed(row[0])  # its directory's link count and times
 
-    def orphan(self, inode: int) -> None:
-        """Take a node out of the namespace, keeping the row for the kernel's references."""
+    def orphan(self, inode: int, parent: int) -> None:
+        """Take a node out of the namespace (its directory: `parent`), keeping the row for
+        the kernel's references."""
         self.changed(inode)
+        self.changed(parent)
         self.db.execute(
             "UPDATE nodes SET parent=?, name=? WHERE inode=?",
             (ORPHAN_PARENT, b"#%d" % inode, inode),
         )
 
     def move(self, inode: int, new_parent: int, new_name: bytes) -> None:
+        """Rename a node (its old directory is the caller's to mark changed)."""
         self.changed(inode)
+        self.changed(new_parent)
         self.db.execute(
             "UPDATE nodes SET parent=?, name=?, ctime_ns=? WHERE inode=?",
             (new_parent, new_name, time.time_ns(), inode),

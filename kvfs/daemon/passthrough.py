@@ -130,6 +130,8 @@ class Passthrough:
     # Inodes whose read-only opens the request thread answers: (stats key, size), oldest
     # delegation first.
     delegated: OrderedDict[int, tuple[Any, int]] = field(default_factory=OrderedDict)
+    # Directories whose GETATTR the request thread answers (`put_attrs`).
+    attributes: set[int] = field(default_factory=set)
     # Revoked while opens the thread gave out are open: their backing id is kept (the kernel
     # wants every passthrough open of an inode on one backing file) until they are released.
     lingering: dict[int, tuple[Any, int]] = field(default_factory=dict)
@@ -205,6 +207,7 @@ class Passthrough:
             self.routed = False
             self.delegated.clear()
             self.lingering.clear()
+            self.attributes.clear()
         if self.state != "off":
             self.state, self.reason = "off", "unmounted"
 
@@ -264,6 +267,10 @@ class Passthrough:
         """The request thread answers no more opens of `inode` (None: of any): called before
         anything about it changes. Opens it gave out stay open; the backing id is kept for
         them until they are released (`harvest`)."""
+        if self.attributes and (inode is None or inode in self.attributes):
+            for i in list(self.attributes) if inode is None else (inode,):
+                _passthrough.ready_drop(i)
+                self.attributes.discard(i)
         if not self.delegated:
             return
         for i in list(self.delegated) if inode is None else (inode,):
@@ -278,6 +285,13 @@ class Passthrough:
                 self.lingering[i] = got
             else:
                 self.release(i)
+
+    def put_attrs(self, inode: int, attrs: Any) -> None:
+        """Let the request thread answer GETATTR of directory `inode` with `attrs` (its
+        attributes now, after a change of its entries), until `revoke`."""
+        if self.routed and inode not in self.delegated and inode not in self.lingering:
+            if _passthrough.ready_put(inode, 0, fuse_attr(attrs)):
+                self.attributes.add(inode)
 
     def take_lookups(self, inode: int) -> None:
         """Add the LOOKUPs of `inode` the request thread answered to the daemon's count (the

@@ -497,12 +497,16 @@ class Tree:
         """Entries were added to, removed from or renamed in these directories: their mtime
         and ctime are now, as the backing directories' are. Returns that time."""
         now = time.time_ns()
-        self.index.set_times({i for i in inodes if i != ORPHAN_PARENT}, now)
+        changed = {i for i in inodes if i != ORPHAN_PARENT}
+        self.index.set_times(changed, now)
+        if self.passthrough.routed:  # their new attributes, for the request thread to answer
+            for i in changed:
+                if (node := self.index.find(i)) is not None:
+                    self.passthrough.put_attrs(i, self.attrs(node))
         return now
 
     def drop(self, node: Node) -> None:
         """Remove a node from the namespace (after its backing entry is gone)."""
-        self.dir_changed(node.parent)
         self.unaccount(node)
         if node.is_dir:
             self._dir_paths.pop(node.inode, None)
@@ -511,10 +515,11 @@ class Tree:
             elif node.inode == node.ns:
                 self.stats.fold_namespace(node.tenant, node.inode)
         if self.lookups.get(node.inode) or node.inode in self.open_files:
-            self.index.orphan(node.inode)
+            self.index.orphan(node.inode, node.parent)
             self.orphans.add(node.inode)
         else:
             self.index.delete(node.inode)
+        self.dir_changed(node.parent)  # last: its attributes as they now are
 
     def purge_orphan(self, inode: int) -> None:
         """Delete an orphan's row once neither the kernel nor an open file refers to it."""
