@@ -24,7 +24,9 @@ ratios for writes and reads, a time ratio for creates. Medians of the repeats.
 and off, in one record). The floor under a Python FUSE daemon is measured in the same run:
 the time of a bare FUSE round trip (`fstat` of a file whose attributes the kernel may not
 cache, served by the daemon without any work) against the same `fstat` on the plain side,
-the FUSE requests each phase costs per file (counted by the daemon), the bytes that crossed
+the round trip of a request the mount's request thread answers in C (a `getxattr` outside
+`user.`, where the thread runs), the FUSE requests each phase costs per file (counted by
+the daemon; `thread_<kind>` for those its request thread answered), the bytes that crossed
 the FUSE channel, the time of one `memcpy` of a file's bytes (round trip and copy: before and
 after the patterns, the faster), and the daemon's CPU time per file written and per file read
 warm.
@@ -41,7 +43,8 @@ the one the plain side makes too (a buffered `write`: the writer's buffer into t
 pages, those pages into the daemon's buffer, and the daemon's `pwrite` is the plain side's
 write; a `read` the daemon answers: its `pread` is the plain side's read, then its reply into
 the kernel's pages, those pages into the reader's buffer). So floor time = plain time + files
-x (waited requests x round trip) + 2 x bytes crossed x the time of one `memcpy` of them: a
+x (waited requests x round trip, the request thread's at its own) + 2 x bytes crossed x
+the time of one `memcpy` of them: a
 lower bound on the mount's time, and an upper bound on its ratio. A figure whose floor misses
 its target is out of reach at this round trip, whatever the daemon does; the rest of its gap
 is the daemon's own work. O_DIRECT patterns get no floor: the plain side's I/O goes to the
@@ -246,29 +249,46 @@ def run_pattern(pattern: str, sides: dict[str, tuple[str, Any]], count: int,
     return out
 
 
+def _best_us(call: Callable[[], object], n: int) -> float:
+    """Microseconds of one `call`: the best of 5 batches of `n` / 5 (the floor must not be
+    set by a pause), after a warm-up."""
+    for _ in range(min(n, 200)):
+        call()
+    batches = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(max(1, n // 5)):
+            call()
+        batches.append((time.perf_counter() - t) / max(1, n // 5) * 1e6)
+    return min(batches)
+
+
+def _refused_xattr(path: str) -> None:
+    try:
+        os.getxattr(path, "security.kvfs-round-trip")
+    except OSError:
+        pass
+
+
 def round_trip(mount: Mount, plain: str, n: int) -> dict[str, float]:
     """Microseconds of one `fstat` through the mount on a file whose attributes the kernel
     may not cache (the daemon's `.kvfs/version`: a FUSE getattr answered with no work),
-    against `fstat` of a plain file; the best of 5 batches of `n` / 5 calls each."""
+    against `fstat` of a plain file; and (`thread`) of a request the mount's request thread
+    answers (a `getxattr` outside `user.`, which the kernel does not cache), where it runs."""
     out = {}
     path = os.path.join(plain, "rt")
     with open(path, "w") as f:
         f.write("x")
-    for side, p in (("mount", os.path.join(mount.mnt, ".kvfs", "version")), ("plain", path)):
+    version = os.path.join(mount.mnt, ".kvfs", "version")
+    for side, p in (("mount", version), ("plain", path)):
         fd = os.open(p, os.O_RDONLY)
         try:
-            for _ in range(min(n, 200)):
-                os.fstat(fd)
-            batches = []  # the best of 5 batches: the floor must not be set by a pause
-            for _ in range(5):
-                t = time.perf_counter()
-                for _ in range(max(1, n // 5)):
-                    os.fstat(fd)
-                batches.append((time.perf_counter() - t) / max(1, n // 5) * 1e6)
-            out[side] = min(batches)
+            out[side] = _best_us(lambda fd=fd: os.fstat(fd), n)
         finally:
             os.close(fd)
     os.unlink(path)
+    if (mount.stats().get("passthrough") or {}).get("request_thread"):
+        out["thread"] = _best_us(lambda: _refused_xattr(version), n)
     return out
 
 
@@ -379,21 +399,25 @@ NOT_WAITED = frozenset({"read", "write", "release", "releasedir", "forget", "bat
                         "thread_release"})
 
 
-def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float
-          ) -> dict[str, Any] | None:
+def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float,
+          thread_rt_us: float | None = None) -> dict[str, Any] | None:
     """The least time the mount can take for a phase (`write`, `warm`, `cold`) at this round
-    trip: the plain directory's time, plus per file one round trip per request waited for and
-    two copies of each byte that crossed the channel. None without the figures, or for an
-    O_DIRECT pattern (the plain side's I/O is not the daemon's)."""
+    trip: the plain directory's time, plus per file one round trip per request waited for
+    (the request thread's, `thread_<kind>`, at its own round trip) and two copies of each
+    byte that crossed the channel. None without the figures, or for an O_DIRECT pattern (the
+    plain side's I/O is not the daemon's)."""
     per = s.get(f"{what}_per_file")
     plain_s = s.get(f"plain_{what}_s")
     if not per or not plain_s or not rt_us or any(s["direct"].values()):
         return None
-    waited = sum(v for k, v in per["requests"].items() if k not in NOT_WAITED)
+    waited = {k: v for k, v in per["requests"].items() if k not in NOT_WAITED}
+    by_thread = sum(v for k, v in waited.items() if k.startswith("thread_"))
+    by_daemon = sum(waited.values()) - by_thread
     copies = 2 * per["bytes"] / (s["file_kib"] << 10)  # two per byte crossed (module text)
-    floor_s = plain_s + s["files"] * (waited * rt_us + copies * one_copy_us) / 1e6
-    return {"seconds": round(floor_s, 4), "waited_requests": round(waited, 2),
-            "copies": round(copies, 2)}
+    trips = by_daemon * rt_us + by_thread * (thread_rt_us or rt_us)
+    floor_s = plain_s + s["files"] * (trips + copies * one_copy_us) / 1e6
+    return {"seconds": round(floor_s, 4), "waited_requests": round(by_daemon + by_thread, 2),
+            "by_thread": round(by_thread, 2), "copies": round(copies, 2)}
 
 
 # -- the record ---------------------------------------------------------------------------
@@ -403,8 +427,9 @@ def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, 
                 p: str, creates: bool = False) -> dict[str, Any]:
     """`row` with its floor (see the module's text): `floor` (the best ratio at this round
     trip), `reachable` (whether the floor meets the target) and a note saying how."""
-    rt = (v.get("round_trip_us") or {}).get("mount")
-    f = floor(s, what, rt or 0.0, (v.get("copy_us") or {}).get(p, 0.0))
+    trips = v.get("round_trip_us") or {}
+    rt, thread_rt = trips.get("mount"), trips.get("thread")
+    f = floor(s, what, rt or 0.0, (v.get("copy_us") or {}).get(p, 0.0), thread_rt)
     if f is None:
         return row
     plain_s = s[f"plain_{what}_s"]
@@ -412,9 +437,11 @@ def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, 
     _, bound, lower = target(p, "creates" if creates else what)
     row["floor"] = round(ratio, 3)
     row["reachable"] = ratio <= bound if lower else ratio >= bound
+    by_thread = (f" ({f['by_thread']:g} of them the request thread's, x {thread_rt:.0f} us)"
+                 if f["by_thread"] and thread_rt else "")
     row["note"] = (f"floor {ratio:.3g}x: {f['waited_requests']:g} requests waited for x "
-                   f"{rt:.0f} us + {f['copies']:g} copies of {s['file_kib']} KiB per file"
-                   + ("" if row["reachable"] else "; out of reach at this round trip"))
+                   f"{rt:.0f} us{by_thread} + {f['copies']:g} copies of {s['file_kib']} KiB "
+                   "per file" + ("" if row["reachable"] else "; out of reach at this round trip"))
     return row
 
 
@@ -477,6 +504,11 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                          "unit": "us", "kvfs": round(rt["mount"], 1),
                          "baseline": round(rt["plain"], 2), "baseline_name": "plain fstat",
                          "ratio": round(rt["mount"] / rt["plain"], 1)})
+        if rt.get("thread"):
+            rows.append({"figure": f"{tag}request thread's round trip (getxattr outside user.)",
+                         "unit": "us", "kvfs": round(rt["thread"], 1),
+                         "baseline": round(rt["mount"], 1), "baseline_name": "the daemon's",
+                         "ratio": round(rt["thread"] / rt["mount"], 2)})
         small = v["patterns"].get("small") or {}
         for what, label in (("write", "create+write+close"), ("warm", "open+read+close (warm)")):
             per = small.get(f"{what}_per_file")

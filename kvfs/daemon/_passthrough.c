@@ -867,17 +867,21 @@ static PyObject *py_ready_put(PyObject *self, PyObject *args)
 
 static PyObject *py_ready_drop(PyObject *self, PyObject *args)
 {
-    /* (opens the thread gave out still open, LOOKUPs it answered not taken yet), or None */
+    /* (opens the thread gave out still open, LOOKUPs it answered, opens it answered and
+     * the last one's time, since the last harvest), or None */
     unsigned long long ino;
     if (!PyArg_ParseTuple(args, "K", &ino))
         return NULL;
-    long opens = -1, lookups = 0;
+    long opens = -1, lookups = 0, new_opens = 0;
+    long long last_ns = 0;
     pthread_mutex_lock(&table_lock);
     struct entry *e = find(ino, NULL);
     if (e && e->state == LIVE) {
         opens = e->opens;
         lookups = e->lookups;
-        e->lookups = 0;
+        new_opens = e->new_opens;
+        last_ns = e->last_ns;
+        e->lookups = e->new_opens = 0;
         name_set(e, 0);
         table_live--;
         e->state = e->opens ? DROPPED : TOMB;
@@ -885,7 +889,7 @@ static PyObject *py_ready_drop(PyObject *self, PyObject *args)
     pthread_mutex_unlock(&table_lock);
     if (opens < 0)
         Py_RETURN_NONE;
-    return Py_BuildValue("(ll)", opens, lookups);
+    return Py_BuildValue("(lllL)", opens, lookups, new_opens, last_ns);
 }
 
 static PyObject *py_ready_lookups(PyObject *self, PyObject *args)
@@ -1026,7 +1030,8 @@ static PyMethodDef methods[] = {
      "answer GETATTR of inode with attr (88 bytes of fuse_attr); with a backing id, its "
      "read-only opens; with a name, its LOOKUP in parent"},
     {"ready_drop", py_ready_drop, METH_VARARGS,
-     "ready_drop(inode) -> (opens still open, lookups answered) or None: no more"},
+     "ready_drop(inode) -> (opens still open, lookups answered, opens answered, last open "
+     "ns) or None: no more"},
     {"ready_lookups", py_ready_lookups, METH_VARARGS,
      "ready_lookups(inode) -> int: the LOOKUPs of inode the thread answered since last asked"},
     {"ready_outstanding", py_ready_outstanding, METH_VARARGS,

@@ -305,6 +305,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
             if exc.errno not in (errno.EINVAL, errno.ENOENT):
                 raise
         finally:
+            ops.tree.collect_opens()  # the request thread's last opens: their access times
             passthrough.unhook()
         watchdog.clean_stop(watch_fd)
         for of_inode in list(ops.open_files):

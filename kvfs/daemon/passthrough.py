@@ -130,6 +130,8 @@ class Passthrough:
     # Inodes whose read-only opens the request thread answers: (stats key, size), oldest
     # delegation first.
     delegated: OrderedDict[int, tuple[Any, int]] = field(default_factory=OrderedDict)
+    # Opens the thread answered of inodes revoked since the last harvest, as it returns them.
+    unharvested: list[tuple[int, Any, int, int, int]] = field(default_factory=list)
     # Directories whose GETATTR the request thread answers (`put_attrs`).
     attributes: set[int] = field(default_factory=set)
     # Revoked while opens the thread gave out are open: their backing id is kept (the kernel
@@ -208,6 +210,7 @@ class Passthrough:
             self.delegated.clear()
             self.lingering.clear()
             self.attributes.clear()
+            self.unharvested.clear()
         if self.state != "off":
             self.state, self.reason = "off", "unmounted"
 
@@ -278,9 +281,11 @@ class Passthrough:
             if got is None:
                 continue
             dropped = _passthrough.ready_drop(i)
-            opens, lookups = dropped if dropped is not None else (0, 0)
+            opens, lookups, answered, last_ns = dropped if dropped is not None else (0,) * 4
             if lookups:
                 self.kernel_lookups[i] = self.kernel_lookups.get(i, 0) + lookups
+            if answered:  # counted at the next harvest
+                self.unharvested.append((i, got[0], got[1], answered, last_ns))
             if opens > 0:
                 self.lingering[i] = got
             else:
@@ -313,7 +318,7 @@ class Passthrough:
         all released, let go."""
         if not self.routed:
             return []
-        out = []
+        out, self.unharvested = self.unharvested, []
         for inode, opens, last_ns, lookups in _passthrough.ready_harvest():
             if lookups:
                 self.kernel_lookups[inode] = self.kernel_lookups.get(inode, 0) + lookups
