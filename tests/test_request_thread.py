@@ -196,3 +196,16 @@ def test_names_looked_up_again_are_answered_and_forgotten_right(mount, ns):
     assert sorted(p.name for p in ns.iterdir()) == sorted(f.name for f in files if f != victim)
     assert mount.stats()["open_files"] == 0
     assert "Traceback" not in mount.log_text()
+
+
+def test_a_temporary_renamed_into_place_is_opened_by_the_thread(mount, ns):
+    """The engines' way (vLLM's file tier, SGLang's HiCacheFile): written under a temporary
+    name, renamed onto its own; its readers need not come to the daemon's loop."""
+    data = os.urandom(100_000)
+    tmp = ns / "page.tmp"
+    tmp.write_bytes(data)
+    os.replace(tmp, ns / "page")
+    before = requests(mount)
+    assert (ns / "page").read_bytes() == data
+    after = requests(mount)
+    assert delta(after, before, "thread_open") == 1 and delta(after, before, "open") == 1

@@ -622,12 +622,21 @@ class Operations(pyfuse3.Operations):
         await self.tree.io(move)
         self.tree.audit_op(ctx.uid, ctx.pid, node, "rename", path=old_path,
                            to=new_path.decode(errors="replace"))
-        node, target = self.tree.moved(node.inode, parent_old, name_old, parent_new, name_new,
-                                       exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
-        if node.is_reg and node.inode not in self.open_files and (
-                node.block_hash is not None or hashing.parse_block_filename(
-                    name_new.decode(errors="replace")) is not None):
-            await self.adoption.complete(node.inode)  # renamed into (or out of) a block's name
+        # A file the request thread opens (the engines' temporary renamed into place) stays
+        # its to open under the new name: its backing id is kept across the move.
+        held = self.tree.passthrough.hold(node.inode)
+        try:
+            node, target = self.tree.moved(node.inode, parent_old, name_old, parent_new,
+                                           name_new, exchange=bool(flags & pyfuse3.RENAME_EXCHANGE))
+            if node.is_reg and node.inode not in self.open_files and (
+                    node.block_hash is not None or hashing.parse_block_filename(
+                        name_new.decode(errors="replace")) is not None):
+                await self.adoption.complete(node.inode)  # renamed into (or out of) a block's name
+        finally:
+            if held:
+                if (moved := self.index.find(node.inode)) is not None:
+                    self.door.delegate(moved)
+                self.tree.passthrough.release(node.inode)
 
     @handler
     async def getxattr(self, inode: int, name: bytes, ctx: Any) -> bytes:

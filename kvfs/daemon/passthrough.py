@@ -298,6 +298,14 @@ class Passthrough:
             if _passthrough.ready_put(inode, 0, fuse_attr(attrs)):
                 self.attributes.add(inode)
 
+    def hold(self, inode: int) -> bool:
+        """Keep `inode`'s backing id registered (a reference more, given back with `release`)
+        across a change that revokes it: whether it had one."""
+        entry = self.ids.get(inode)
+        if entry is not None:
+            entry[1] += 1
+        return entry is not None
+
     def take_lookups(self, inode: int) -> None:
         """Add the LOOKUPs of `inode` the request thread answered to the daemon's count (the
         kernel holds them: before a FORGET of it is counted)."""
