@@ -25,7 +25,9 @@ and off, in one record). The floor under a Python FUSE daemon is measured in the
 the time of a bare FUSE round trip (`fstat` of a file whose attributes the kernel may not
 cache, served by the daemon without any work) against the same `fstat` on the plain side,
 the round trip of a request the mount's request thread answers in C (a `getxattr` outside
-`user.`, where the thread runs), the FUSE requests each phase costs per file (counted by
+`user.`, where the thread runs) and the time of an open and close it answers (against a
+plain one: an open waits for its OPEN, a close wakes the thread for its RELEASE), the FUSE
+requests each phase costs per file (counted by
 the daemon; `thread_<kind>` for those its request thread answered), the bytes that crossed
 the FUSE channel, the time of one `memcpy` of a file's bytes (round trip and copy: before and
 after the patterns, the faster), and the daemon's CPU time per file written and per file read
@@ -43,7 +45,8 @@ the one the plain side makes too (a buffered `write`: the writer's buffer into t
 pages, those pages into the daemon's buffer, and the daemon's `pwrite` is the plain side's
 write; a `read` the daemon answers: its `pread` is the plain side's read, then its reply into
 the kernel's pages, those pages into the reader's buffer). So floor time = plain time + files
-x (waited requests x round trip, the request thread's at its own) + 2 x bytes crossed x
+x (waited requests x round trip, the request thread's at its own, its opens at an open
+and close's extra time) + 2 x bytes crossed x
 the time of one `memcpy` of them: a
 lower bound on the mount's time, and an upper bound on its ratio. A figure whose floor misses
 its target is out of reach at this round trip, whatever the daemon does; the rest of its gap
@@ -270,11 +273,18 @@ def _refused_xattr(fd: int) -> None:
         pass
 
 
-def round_trip(mount: Mount, plain: str, n: int) -> dict[str, float]:
+def _open_close(path: str) -> None:
+    os.close(os.open(path, os.O_RDONLY))
+
+
+def round_trip(mount: Mount, plain: str, n: int, root: str = "") -> dict[str, float]:
     """Microseconds of one `fstat` through the mount on a file whose attributes the kernel
     may not cache (the daemon's `.kvfs/version`: a FUSE getattr answered with no work),
-    against `fstat` of a plain file; and (`thread`) of a request the mount's request thread
-    answers (a `getxattr` outside `user.`, which the kernel does not cache), where it runs."""
+    against `fstat` of a plain file; where the mount's request thread runs, of a request it
+    answers (`thread`: a `getxattr` outside `user.`, which the kernel does not cache), and of
+    an open and close of a file it opens (`thread_open`, in the tenant directory `root`),
+    against the same on the plain side (`plain_open`): OPEN is waited for, and the close
+    wakes the thread for the RELEASE."""
     out = {}
     path = os.path.join(plain, "rt")
     with open(path, "w") as f:
@@ -286,13 +296,20 @@ def round_trip(mount: Mount, plain: str, n: int) -> dict[str, float]:
             out[side] = _best_us(lambda fd=fd: os.fstat(fd), n)
         finally:
             os.close(fd)
-    os.unlink(path)
-    if (mount.stats().get("passthrough") or {}).get("request_thread"):
+    if root and (mount.stats().get("passthrough") or {}).get("request_thread"):
         fd = os.open(version, os.O_RDONLY)
         try:  # on the fd: a path would cost the lookups of its names too
             out["thread"] = _best_us(lambda: _refused_xattr(fd), n)
         finally:
             os.close(fd)
+        mine = os.path.join(root, "rt")
+        with open(mine, "w") as f:
+            f.write("x")
+        _open_close(mine)  # the daemon's open delegates it to the thread
+        out["thread_open"] = _best_us(lambda: _open_close(mine), n)
+        out["plain_open"] = _best_us(lambda: _open_close(path), n)
+        os.unlink(mine)
+    os.unlink(path)
     return out
 
 
@@ -322,7 +339,8 @@ def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: lis
             peer_side.start()
         # The round trip and the copies before the patterns and after them, the faster of
         # the two: right after a burst of writes the kernel's write-back competes for the CPUs.
-        first = round_trip(side.mount, plain, args.round_trips) if args.round_trips else {}
+        first = (round_trip(side.mount, plain, args.round_trips, side.root)
+                 if args.round_trips else {})
         copies = [copy_us(patterns)]
         sides: dict[str, tuple[str, Any]] = {"mount": (side.root, side),
                                              "plain": (plain, None)}
@@ -336,7 +354,8 @@ def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: lis
                 # writeback.
                 order = dict(reversed(sides.items())) if r % 2 else sides
                 results[p].append(run_pattern(p, order, count, r, cold))
-        last = round_trip(side.mount, plain, args.round_trips) if args.round_trips else {}
+        last = (round_trip(side.mount, plain, args.round_trips, side.root)
+                if args.round_trips else {})
         rt = {k: min(first[k], last[k]) for k in last}
         copies.append(copy_us(patterns))
         passthrough = side.mount.stats().get("passthrough") or {}
@@ -404,12 +423,14 @@ NOT_WAITED = frozenset({"read", "write", "release", "releasedir", "forget", "bat
 
 
 def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float,
-          thread_rt_us: float | None = None) -> dict[str, Any] | None:
+          thread_rt_us: float | None = None, thread_open_us: float | None = None
+          ) -> dict[str, Any] | None:
     """The least time the mount can take for a phase (`write`, `warm`, `cold`) at this round
     trip: the plain directory's time, plus per file one round trip per request waited for
-    (the request thread's, `thread_<kind>`, at its own round trip) and two copies of each
-    byte that crossed the channel. None without the figures, or for an O_DIRECT pattern (the
-    plain side's I/O is not the daemon's)."""
+    (the request thread's, `thread_<kind>`, at its own round trip; its opens at the time of
+    an open and close it answers, less a plain one) and two copies of each byte that crossed
+    the channel. None without the figures, or for an O_DIRECT pattern (the plain side's I/O
+    is not the daemon's)."""
     per = s.get(f"{what}_per_file")
     plain_s = s.get(f"plain_{what}_s")
     if not per or not plain_s or not rt_us or any(s["direct"].values()):
@@ -417,8 +438,10 @@ def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float,
     waited = {k: v for k, v in per["requests"].items() if k not in NOT_WAITED}
     by_thread = sum(v for k, v in waited.items() if k.startswith("thread_"))
     by_daemon = sum(waited.values()) - by_thread
+    opens = waited.get("thread_open", 0)
     copies = 2 * per["bytes"] / (s["file_kib"] << 10)  # two per byte crossed (module text)
-    trips = by_daemon * rt_us + by_thread * (thread_rt_us or rt_us)
+    trips = (by_daemon * rt_us + (by_thread - opens) * (thread_rt_us or rt_us)
+             + opens * (thread_open_us or thread_rt_us or rt_us))
     floor_s = plain_s + s["files"] * (trips + copies * one_copy_us) / 1e6
     return {"seconds": round(floor_s, 4), "waited_requests": round(by_daemon + by_thread, 2),
             "by_thread": round(by_thread, 2), "copies": round(copies, 2)}
@@ -433,7 +456,9 @@ def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, 
     trip), `reachable` (whether the floor meets the target) and a note saying how."""
     trips = v.get("round_trip_us") or {}
     rt, thread_rt = trips.get("mount"), trips.get("thread")
-    f = floor(s, what, rt or 0.0, (v.get("copy_us") or {}).get(p, 0.0), thread_rt)
+    thread_open = (trips["thread_open"] - trips.get("plain_open", 0.0)
+                   if "thread_open" in trips else None)
+    f = floor(s, what, rt or 0.0, (v.get("copy_us") or {}).get(p, 0.0), thread_rt, thread_open)
     if f is None:
         return row
     plain_s = s[f"plain_{what}_s"]
@@ -441,8 +466,9 @@ def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, 
     _, bound, lower = target(p, "creates" if creates else what)
     row["floor"] = round(ratio, 3)
     row["reachable"] = ratio <= bound if lower else ratio >= bound
-    by_thread = (f" ({f['by_thread']:g} of them the request thread's, x {thread_rt:.0f} us)"
-                 if f["by_thread"] and thread_rt else "")
+    by_thread = (f" ({f['by_thread']:g} of them the request thread's, x {thread_rt:.0f} us, "
+                 f"an open and close x {thread_open:.0f} us)"
+                 if f["by_thread"] and thread_rt and thread_open else "")
     row["note"] = (f"floor {ratio:.3g}x: {f['waited_requests']:g} requests waited for x "
                    f"{rt:.0f} us{by_thread} + {f['copies']:g} copies of {s['file_kib']} KiB "
                    "per file" + ("" if row["reachable"] else "; out of reach at this round trip"))
@@ -513,6 +539,11 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                          "unit": "us", "kvfs": round(rt["thread"], 1),
                          "baseline": round(rt["mount"], 1), "baseline_name": "the daemon's",
                          "ratio": round(rt["thread"] / rt["mount"], 2)})
+        if rt.get("thread_open"):
+            rows.append({"figure": f"{tag}open+close the request thread answers", "unit": "us",
+                         "kvfs": round(rt["thread_open"], 1),
+                         "baseline": round(rt["plain_open"], 2), "baseline_name": "plain",
+                         "ratio": round(rt["thread_open"] / rt["plain_open"], 1)})
         small = v["patterns"].get("small") or {}
         for what, label in (("write", "create+write+close"), ("warm", "open+read+close (warm)")):
             per = small.get(f"{what}_per_file")
