@@ -77,11 +77,12 @@ class Grants:
             with trio.move_on_after(budget if budget is not None else float("inf")) as scope:
                 start = (await self._files_first(dnode, dpath, hashes, found, files)
                          if fds else 0)
+                nodes = self._nodes(dnode, [h for i, h in enumerate(hashes) if found[i] is None])
                 async with trio.open_nursery() as nursery:
                     for i, h in enumerate(hashes):
                         if found[i] is None:
-                            nursery.start_soon(self._one, dnode, dpath, h, found, i,
-                                               files if fds else None, start)
+                            nursery.start_soon(self._one, dnode, dpath, h, nodes.get(h), found,
+                                               i, files if fds else None, start)
         except BaseException:
             _close(files.values())
             raise
@@ -126,9 +127,11 @@ class Grants:
         for nonce in list(self._fds):
             self._drop_fds(nonce)
 
-    def _node(self, dnode: Node, h: bytes) -> Node | None:
-        return self.index.lookup_in(dnode.inode, h[:1].hex().encode(),
-                                    hashing.block_filename(h).encode())
+    def _nodes(self, dnode: Node, hashes: list[bytes]) -> dict[bytes, Node]:
+        """The index's nodes of these blocks of namespace directory `dnode` (one query)."""
+        pairs = {h: (h[:1].hex().encode(), hashing.block_filename(h).encode()) for h in hashes}
+        found = self.index.lookup_blocks(dnode.inode, pairs.values())
+        return {h: found[p] for h, p in pairs.items() if p in found}
 
     async def _files_first(self, dnode: Node, dpath: bytes, hashes: list[bytes],
                            found: list[control.Granted | None], files: dict[int, int]) -> int:
@@ -139,8 +142,9 @@ class Grants:
         if tiering is None or not tiering.tiers[0].hands_files or not tiering.reachable():
             return 0
         todo = []
+        nodes = self._nodes(dnode, hashes)
         for i, h in enumerate(hashes):
-            node = self._node(dnode, h)
+            node = nodes.get(h)
             if node is not None and not node.tier:
                 found[i] = control.Granted(control.GRANT_HOT)
             else:
@@ -164,13 +168,13 @@ class Grants:
         files[i] = fd
         found[i] = control.Granted(control.GRANT_FD, t + 1, size)
 
-    async def _one(self, dnode: Node, dpath: bytes, h: bytes,
+    async def _one(self, dnode: Node, dpath: bytes, h: bytes, node: Node | None,
                    found: list[control.Granted | None], i: int,
                    files: dict[int, int] | None, start: int = 0) -> None:
+        """Where block `h` (its index node: `node`, None if unknown) is to be read from."""
         tiering = self.tree.tiering
         name = hashing.block_filename(h).encode()
         fan_name = h[:1].hex().encode()
-        node = self._node(dnode, h)
         if node is not None and not node.tier:
             found[i] = control.Granted(control.GRANT_HOT)
             return

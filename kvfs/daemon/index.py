@@ -321,6 +321,21 @@ class Index:
             "WHERE d.parent=? AND d.name=? AND c.name=?", (parent, name, child)).fetchone()
         return _node(row) if row else None
 
+    def lookup_blocks(self, parent: int, names: Iterable[tuple[bytes, bytes]]
+                      ) -> dict[tuple[bytes, bytes], Node]:
+        """``lookup_in`` of many (directory name, child name) pairs below `parent`, in one
+        query: the nodes found, by pair."""
+        want = set(names)
+        if not want:
+            return {}
+        dirs, kids = sorted({d for d, _ in want}), sorted({c for _, c in want})
+        rows = self.db.execute(
+            f"SELECT d.name, {_CHILD_COLUMNS} "
+            "FROM nodes AS d JOIN nodes AS c ON c.parent = d.inode "
+            f"WHERE d.parent=? AND d.name IN ({','.join('?' * len(dirs))}) "
+            f"AND c.name IN ({','.join('?' * len(kids))})", (parent, *dirs, *kids)).fetchall()
+        return {(r[0], r[3]): _node(r[1:]) for r in rows if (r[0], r[3]) in want}
+
     def children(self, parent: int, after: int = 0, limit: int = 1000) -> list[Node]:
         """Entries of a directory with inode > `after`, in inode order."""
         rows = self.db.execute(
