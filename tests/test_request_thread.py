@@ -55,6 +55,8 @@ def test_a_file_read_again_is_opened_by_the_thread_and_counted(mount, ns):
     assert c1["read_bytes"] - c0["read_bytes"] == 5 * len(data)
     assert c1["mount_hits"] - c0["mount_hits"] == 5
     assert mount.stats()["passthrough"]["delegated"] >= 1
+    out = kvfs("status", str(mount.mnt)).stdout
+    assert "request thread: " in out and " files it opens itself" in out, out
 
 
 def test_every_change_is_seen_at_the_next_open_and_stat(mount, ns):

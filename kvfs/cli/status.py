@@ -32,6 +32,11 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
         lines.append(f"passthrough: {pt['state']} ({pt['reason']})" + (
             f", {pt['open_files']} files open through it, {pt['cut']} writers cut back at "
             f"close" if pt["state"] == "on" else ""))
+        if pt.get("request_thread"):
+            answered = sum(v for k, v in (stats.get("requests") or {}).items()
+                           if k.startswith("thread_"))
+            lines.append(f"request thread: {pt['delegated']} files it opens itself, "
+                         f"{answered} requests answered, {pt['forwarded']} passed on")
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:
         lines.append(f"indexing the backing tree: {stats['indexing']['entries_indexed']} "
