@@ -37,6 +37,16 @@ setup(
             extra_compile_args=["-O3", "-std=c11", *WARNINGS],
         ),
         Extension(
+            "kvfs.format._seal",
+            ["kvfs/format/_seal.c"],
+            # AES-256-GCM of sealed blocks in place without the GIL (kvfs/format/seal.py), against
+            # the system's libcrypto and the xxhash header (libssl-dev, libxxhash-dev). Without
+            # it blocks are sealed and opened with the cryptography package (one core, a copy).
+            optional=True,
+            libraries=["crypto"],
+            extra_compile_args=["-O3", "-std=c11", *WARNINGS],
+        ),
+        Extension(
             "kvfs.daemon._passthrough",
             ["kvfs/daemon/_passthrough.c"],
             # Without it every open takes the daemon's own path (tests/test_passthrough.py

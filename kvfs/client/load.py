@@ -31,7 +31,7 @@ from . import devsum, encoded, leases, remote
 from .channel import ControlChannel
 from .keys import NamespaceKeys
 from .layouts import Layouts, stream_done
-from .transport import OpenBlock, PosixTransport, host_view, preadv_all, read_file
+from .transport import OpenBlock, PosixTransport, checksum, host_view, preadv_all, read_file
 
 try:  # the per-block work of host loads in C, without the GIL (kvfs/client/_fastread.c)
     from . import _fastread
@@ -72,12 +72,16 @@ class _Opened:
 
 
 class _Prefix:
-    """The first failed block of a load, shared by its reader threads, and the descriptors
-    its lookup leased (block hash -> fd), read in place of the names."""
+    """The first failed block of a load, shared by its reader threads, the descriptors its
+    lookup leased (block hash -> fd), read in place of the names, and which of those are a
+    lower tier's files (`below`: usually sealed or encoded, so read without hashing, then
+    opened or decoded where they landed)."""
 
-    def __init__(self, n: int, leased: dict[bytes, int] | None = None) -> None:
+    def __init__(self, n: int, leased: dict[bytes, int] | None = None,
+                 below: set[bytes] | None = None) -> None:
         self.end = n
         self.leased = leased or {}
+        self.below = below or set()
         self._lock = threading.Lock()
 
     def fail(self, i: int) -> None:
@@ -251,7 +255,8 @@ class Loading(Layouts):
         below: set[int] = set()
         leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes, below).items()}
         try:
-            end = self._load_leased(hashes, tensors_of, views_of, batch, leased, own)
+            end = self._load_leased(hashes, tensors_of, views_of, batch, leased, own,
+                                    {hashes[i] for i in below})
             if below:
                 self._behind_below(hashes, sorted(i for i in below if i < end), leased,
                                    tensors_of, host=views_of is not None, own=own)
@@ -286,8 +291,8 @@ class Loading(Layouts):
     def _load_leased(self, hashes: list[bytes],
                      tensors_of: Callable[[int], list[torch.Tensor]],
                      views_of: Callable[[int], list[memoryview]] | None,
-                     batch: torch.Tensor | None, leased: dict[bytes, int], own: bool
-                     ) -> int:
+                     batch: torch.Tensor | None, leased: dict[bytes, int], own: bool,
+                     below: set[bytes] | None = None) -> int:
         grants = remote.granted(self.ns_dir, hashes)
         if grants:
             if views_of is not None:
@@ -297,12 +302,15 @@ class Loading(Layouts):
                 a.close()
             self._channel.report(control.FETCH, control.pack_fetch(
                 [hashes[i] for i in sorted(grants)]))
-        if views_of is not None and self._native:
+        # A lower tier's files (sealed or encoded, usually) go to the Python reader, which
+        # opens or decodes each block right after reading it, on every thread; the C reader
+        # would read them only to leave them to it.
+        if views_of is not None and self._native and not below:
             if _fastread is not None:
                 return self._finish_load(
                     hashes, self._native_outcomes(hashes, views_of, leased), tensors_of)
             _say_unbuilt()
-        prefix = _Prefix(len(hashes), leased)
+        prefix = _Prefix(len(hashes), leased, below)
         outcomes: list[_Outcome | None] = [None] * len(hashes)
         if views_of is not None:
             read: Callable[..., _Outcome] = self._read_host
@@ -537,9 +545,13 @@ class Loading(Layouts):
         """Header, payload and probe in one `preadv` (hashed piecewise if large), straight
         into ``views``; then verify. No `fstat`: the bytes read give the file's size."""
         header, hview, probe = scratch
+        checksummed = self._checksummed(h)
+        # A lower tier's file is sealed or encoded as a rule: its stored bytes are checked as
+        # they are opened or decoded, not hashed as read (a raw one is hashed after).
+        later = checksummed and h in prefix.below
         try:
             total, csum = read_file(self._where(h, prefix), hview, views, probe,
-                                    self._full or h[-1] % SAMPLE_EVERY == 0)
+                                    checksummed and not later)
         except FileNotFoundError:
             prefix.fail(i)
             return _Outcome()
@@ -547,7 +559,7 @@ class Loading(Layouts):
             prefix.fail(i)
             return _Outcome(error=exc)
         out = _Outcome(read=min(total, self._file_bytes))  # padding and probe not counted
-        if total == self._header_check.file_size:  # the common case, checked inline
+        if total == self._header_check.file_size and not later:  # the common case, inline
             want = self._header_check.payload_checksum(header, h)
             if want is not None and (csum is None or csum == want):
                 out.ok = True
@@ -557,6 +569,8 @@ class Loading(Layouts):
                 encoded.decode_landed(self._verify_header(h, header), views, total,
                                        self.keys)
             else:
+                if later and total >= blockfile.HEADER_SIZE + self.spec.block_payload_bytes:
+                    csum = checksum(views)  # raw after all: hashed now
                 self._verify_read(h, header, total, csum)  # raises, saying why
             out.ok = True
         except blockfile.BlockFormatError as exc:

@@ -16,6 +16,11 @@ The associated data binds the tenant, the namespace and the header's fields (blo
 parent, fingerprint, payload checksum, shape, codec: everything but the checksums of the
 ciphertext and of the header, and the tag): a block copied to another name, namespace or
 tenant fails authentication, a miss that is never served.
+
+The cipher (:func:`cipher`) is kvfs's C module ``kvfs.format._seal`` where it is built (the
+system's libcrypto, in place, the xxh3 of each piece taken as it is transformed, without the
+GIL: the threads of a restore open their blocks in parallel), else the cryptography package
+(one core at a time, through a copy).
 """
 
 from __future__ import annotations
@@ -29,7 +34,6 @@ from typing import Any
 import xxhash
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from . import blockfile, codec
 from .blockfile import HEADER_SIZE, BlockFormatError, BlockHeader, Encoding, Seal
@@ -48,6 +52,50 @@ def namespace_key(data_key: bytes, tenant: str, namespace: str) -> bytes:
     """The key of one tenant's namespace, from the tenant's data key."""
     return hmac.digest(data_key, b"".join((_NS_INFO, tenant.encode(), b"\0",
                                            namespace.encode())), "sha256")
+
+
+try:
+    from ._seal import Gcm as _CGcm
+except ImportError:  # not built: the cryptography package's cipher
+    _CGcm = None
+
+
+class _PyGcm:
+    """:func:`cipher` with the cryptography package (which holds the GIL and refuses to
+    transform in place: each piece goes through a copy)."""
+
+    def __init__(self, key: bytes, nonce: bytes, aad: bytes, decrypt: bool) -> None:
+        c = Cipher(algorithms.AES(key), modes.GCM(nonce))
+        self._c = c.decryptor() if decrypt else c.encryptor()
+        self._c.authenticate_additional_data(aad)
+        self._x = xxhash.xxh3_64()
+        self._decrypt = decrypt
+
+    def update(self, buf: Any) -> None:
+        v = memoryview(buf).cast("B")
+        v[:] = self._c.update(v)
+        self._x.update(v)
+
+    def finish(self, tag: bytes | None = None) -> Any:
+        if not self._decrypt:
+            self._c.finalize()
+            return self._c.tag
+        try:
+            self._c.finalize_with_tag(tag)
+        except InvalidTag:
+            return False
+        return True
+
+    def digest(self) -> int:
+        return self._x.intdigest()
+
+
+def cipher(key: bytes, nonce: bytes, aad: bytes, *, decrypt: bool) -> Any:
+    """AES-256-GCM of one block's stored bytes, piece by piece in place: ``update(buf)``
+    transforms a writable buffer where it lies and hashes (xxh3) what it then holds;
+    ``finish()`` gives the tag (sealing) or ``finish(tag)`` whether it authenticates
+    (opening); ``digest()`` the hash of every updated byte."""
+    return (_CGcm or _PyGcm)(key, nonce, aad, decrypt)
 
 
 def block_key(ns_key: bytes, block_hash: bytes) -> bytes:
@@ -81,11 +129,12 @@ def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: 
     draft = replace(h, encoding=replace(enc, stored_checksum=0,
                                         seal=Seal(key_id, nonce, bytes(TAG_BYTES))))
     aad = associated_data(blockfile.encode_header(draft), tenant, namespace)
-    out = AESGCM(block_key(ns_key, h.block_hash)).encrypt(nonce, bytes(stored), aad)
-    ct = memoryview(out)[:-TAG_BYTES]
-    final = replace(enc, stored_checksum=xxhash.xxh3_64_intdigest(ct),
-                    seal=Seal(key_id, nonce, out[-TAG_BYTES:]))
-    return replace(h, encoding=final), ct
+    ct = bytearray(memoryview(stored).cast("B"))  # the caller's bytes stay as they are
+    enc_ = cipher(block_key(ns_key, h.block_hash), nonce, aad, decrypt=False)
+    enc_.update(ct)
+    tag = enc_.finish()
+    final = replace(enc, stored_checksum=enc_.digest(), seal=Seal(key_id, nonce, tag))
+    return replace(h, encoding=final), memoryview(ct)
 
 
 def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str, *,
@@ -134,28 +183,17 @@ def open_in_place(h: BlockHeader, stored: Any, ns_key: bytes, tenant: str, names
             raise BlockFormatError("checksum", f"stored checksum {x.intdigest():#018x}, "
                                    f"header says {e.stored_checksum:#018x}")
     aad = associated_data(blockfile.encode_header(h), tenant, namespace)
-    dec = Cipher(algorithms.AES(block_key(ns_key, h.block_hash)),
-                 modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
-    dec.authenticate_additional_data(aad)
-    plain = xxhash.xxh3_64()
-    # Each piece is decrypted into a scratch buffer (the library refuses overlapping input
-    # and output) and copied back while both are in the core's cache.
-    scratch = memoryview(bytearray(PIECE + TAG_BYTES))
-    for v in views:
+    dec = cipher(block_key(ns_key, h.block_hash), e.seal.nonce, aad, decrypt=True)
+    for v in views:  # a piece at a time, decrypted and hashed in the core's cache
         for at in range(0, v.nbytes, PIECE):
-            piece = v[at:at + PIECE]
-            got = dec.update_into(piece, scratch)  # GCM is a stream: as many bytes as given
-            piece[:] = scratch[:got]
-            plain.update(piece)
-    try:
-        dec.finalize()
-    except InvalidTag:
+            dec.update(v[at:at + PIECE])
+    if not dec.finish(e.seal.tag):
         for v in views:  # nothing unauthenticated is left to be mistaken for a payload
             v[:] = bytes(v.nbytes)
         raise BlockFormatError("auth", "the block does not authenticate under its tenant's "
                                f"key {e.seal.key_id:08x} (moved, tampered with, torn, or "
                                "another tenant's)") from None
-    digest = plain.intdigest()
+    digest = dec.digest()
     if e.codec == blockfile.CODEC_NONE:
         if digest != h.checksum:
             raise BlockFormatError("checksum", f"payload checksum {digest:#018x}, header "
@@ -175,18 +213,15 @@ class Opener:
         if e is None or e.seal is None or e.codec != blockfile.CODEC_NONE:
             raise ValueError("not a sealed block stored as is")
         self.h = h
-        self._dec = Cipher(algorithms.AES(block_key(ns_key, h.block_hash)),
-                           modes.GCM(e.seal.nonce, e.seal.tag)).decryptor()
-        self._dec.authenticate_additional_data(
-            associated_data(blockfile.encode_header(h), tenant, namespace))
-        self._plain = xxhash.xxh3_64()
+        self._dec = cipher(block_key(ns_key, h.block_hash), e.seal.nonce,
+                           associated_data(blockfile.encode_header(h), tenant, namespace),
+                           decrypt=True)
         self._fed = 0
         self._views: list[memoryview] = []
 
     def feed(self, piece: memoryview) -> None:
         """Decrypt the next landed ``piece`` in place."""
-        piece[:] = self._dec.update(piece)
-        self._plain.update(piece)
+        self._dec.update(piece)
         self._fed += piece.nbytes
         self._views.append(piece)
 
@@ -196,15 +231,14 @@ class Opener:
             if self._fed != self.h.payload_len:
                 raise BlockFormatError("length", f"stored bytes are {self._fed}, header says "
                                        f"{self.h.payload_len}")
-            try:
-                self._dec.finalize()
-            except InvalidTag:
+            assert self.h.encoding is not None and self.h.encoding.seal is not None
+            if not self._dec.finish(self.h.encoding.seal.tag):
                 raise BlockFormatError("auth", "the block does not authenticate under its "
                                        "tenant's key (moved, tampered with, torn, or another "
-                                       "tenant's)") from None
-            if self._plain.intdigest() != self.h.checksum:
+                                       "tenant's)")
+            if self._dec.digest() != self.h.checksum:
                 raise BlockFormatError("checksum", f"payload checksum "
-                                       f"{self._plain.intdigest():#018x}, header says "
+                                       f"{self._dec.digest():#018x}, header says "
                                        f"{self.h.checksum:#018x}")
         except BlockFormatError:
             for v in self._views:
