@@ -159,6 +159,13 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                              f"{_f(r['hashed_gbps'], unit=' GB/s')} (preadv + xxh3 of the same "
                              "files)", r["hashed_ratio"],
                              "the least a verified load does with them; same threads"))
+            if r.get("opened_gbps") is not None:
+                rows.append((f"  restore from {label} vs reading and opening",
+                             _f(r["gbps"], unit=" GB/s"),
+                             f"{_f(r['opened_gbps'], unit=' GB/s')} (preadv + AES-256-GCM "
+                             "opening of the same sealed files)", r["opened_ratio"],
+                             "the least a restore of sealed blocks does with them; same "
+                             "threads"))
             if tier == "s3" and r.get("url_gbps") is not None:
                 rows.append((f"  restore from {label} vs the fastest client",
                              _f(r["gbps"], unit=" GB/s"),
@@ -587,6 +594,7 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
     series = [(key, label) for key, label in (
         ("gbps", "kvfs restore"), ("baseline_gbps", "raw read of the source"),
         ("hashed_gbps", "raw read + xxh3 of the same files"),
+        ("opened_gbps", "raw read + opening the same sealed files"),
         ("copy_gbps", "copy to a hot file + read back"))
         if any(number(restore[t].get(key)) for t in tiers)]
     width = 0.8 / max(1, len(series))

@@ -162,9 +162,11 @@ class RawFiles:
         self.buf = host_buffer(file_bytes * n)
         self.pool = ThreadPoolExecutor(threads, thread_name_prefix="raw-preadv")
 
-    def read(self, paths: Sequence[str], hashed: bool = False) -> float:
+    def read(self, paths: Sequence[str], hashed: bool = False,
+             opener: Callable[[memoryview], None] | None = None) -> float:
         """Seconds to read ``paths`` (``hashed``: and xxh3 of each file's bytes, on the same
-        threads without the GIL: the least a verified load does with them)."""
+        threads without the GIL: the least a verified load does with them; ``opener``: and
+        that done to each file's bytes, a sealed block's opening)."""
         def one(i: int) -> None:
             fd = os.open(paths[i], os.O_RDONLY | os.O_CLOEXEC)
             try:
@@ -175,6 +177,8 @@ class RawFiles:
                     raise OSError(f"{paths[i]}: short read")
                 if hashed:
                     xxhash.xxh3_64_intdigest(view[:size])
+                if opener is not None:
+                    opener(view[:size])
             finally:
                 os.close(fd)
 
@@ -334,6 +338,28 @@ def request(cache: KVCache, hashes: list[bytes], out: torch.Tensor, timeout: flo
     return guarded(run, timeout, f"a request of {len(hashes)} blocks on {cache.ns_dir}")
 
 
+def sealed_opener(path: str, cache: KVCache, spec: ModelSpec
+                  ) -> Callable[[memoryview], None] | None:
+    """Where the block file at ``path`` is sealed: what opening a sealed file's bytes takes at
+    least (AES-256-GCM in place and the checks of kvfs.format.seal.open_in_place, with the
+    namespace key ``cache`` holds), for the read-and-open baseline; else None."""
+    from ..format import blockfile, seal  # noqa: PLC0415
+
+    with open(path, "rb") as f:
+        h = blockfile.decode_header(f.read(HEADER))
+    kid = seal.key_id_of(h)
+    if kid is None:
+        return None
+    key = cache.keys.get(kid)
+
+    def open_(view: memoryview) -> None:
+        hdr = blockfile.decode_header(view[:HEADER])
+        seal.open_in_place(hdr, view[HEADER:HEADER + hdr.stored_len], key, TENANT,
+                           spec.namespace)
+
+    return open_
+
+
 # -- figure 1: restore throughput ------------------------------------------------------------
 
 
@@ -389,6 +415,11 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
                         steps["copy"] = copy
                     if files is not None:
                         steps["raw+xxh3"] = lambda p=files: raw_files.read(p, hashed=True)
+                        opener = (sealed_opener(files[0], cache, spec) if tier == "cold"
+                                  else None)
+                        if opener is not None:  # sealed: what opening them takes at least
+                            steps["raw+open"] = (lambda p=files, o=opener:
+                                                 raw_files.read(p, opener=o))
                     if tier == "s3":
                         steps["urls"] = lambda k=keys: raw_urls.read(k)
                     names = list(steps)
@@ -417,6 +448,10 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
                         res.update(hashed_s=got["raw+xxh3"],
                                    hashed_gbps=payload / got["raw+xxh3"] / 1e9,
                                    hashed_ratio=got["raw+xxh3"] / res["seconds"])
+                    if "raw+open" in got:
+                        res.update(opened_s=got["raw+open"],
+                                   opened_gbps=payload / got["raw+open"] / 1e9,
+                                   opened_ratio=got["raw+open"] / res["seconds"])
                     if "urls" in got:
                         res.update(url_s=got["urls"], url_gbps=payload / got["urls"] / 1e9,
                                    url_ratio=got["urls"] / res["seconds"])
@@ -456,6 +491,10 @@ def bench_restore(args: argparse.Namespace, spec: ModelSpec, sets: list[list[byt
             result[tier].update(
                 hashed_gbps=median([x["hashed_gbps"] for x in rs]),
                 hashed_ratio=median([x["hashed_ratio"] for x in ok]))
+        if any("opened_s" in x for x in rs):
+            result[tier].update(
+                opened_gbps=median([x["opened_gbps"] for x in rs if "opened_gbps" in x]),
+                opened_ratio=median([x["opened_ratio"] for x in ok if "opened_ratio" in x]))
         if tier != "hot":
             result[tier].update(
                 copy_gbps=median([x["copy_gbps"] for x in rs]),

@@ -550,7 +550,8 @@ class Loading(Layouts):
         # they are opened or decoded, not hashed as read (a raw one is hashed after).
         later = checksummed and h in prefix.below
         try:
-            total, csum = read_file(self._where(h, prefix), hview, views, probe,
+            fd = prefix.leased.get(h)  # the lookup's descriptor: read from it as it is
+            total, csum = read_file(self.path(h) if fd is None else fd, hview, views, probe,
                                     checksummed and not later)
         except FileNotFoundError:
             prefix.fail(i)

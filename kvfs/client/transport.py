@@ -134,9 +134,10 @@ def _fill(fd: int, bufs: list[memoryview], offset: int, need: int) -> int:
     return n
 
 
-def read_file(path: str, header: memoryview, views: list[memoryview], probe: memoryview,
+def read_file(path: str | int, header: memoryview, views: list[memoryview], probe: memoryview,
               want_checksum: bool) -> tuple[int, int | None]:
-    """Open ``path``, read ``header``, ``views`` and ``probe`` back to back from offset 0, close.
+    """Open ``path``, read ``header``, ``views`` and ``probe`` back to back from offset 0, close
+    (``path`` an fd: read from it, left open: positional reads, so threads may share it).
 
     The host path of a block load: one `open`, one `preadv` (one per piece for a payload
     hashed in pieces, more after a short transfer), one `close`. Returns the bytes read,
@@ -147,7 +148,7 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
     payload ends: then a longer file looks the right size. Its header and payload were still
     read and checked in full, so that costs no wrong bytes, only the size check's strictness.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if isinstance(path, str) else path
     try:
         payload = views[0].nbytes if len(views) == 1 else sum(v.nbytes for v in views)
         if not want_checksum or payload <= ONE_READ_BYTES:
@@ -216,7 +217,8 @@ def read_file(path: str, header: memoryview, views: list[memoryview], probe: mem
                 x.update(p)
         return n, x.intdigest()
     finally:
-        os.close(fd)
+        if isinstance(path, str):
+            os.close(fd)
 
 
 def pwritev_all(fd: int, bufs: list[memoryview], offset: int) -> None:
