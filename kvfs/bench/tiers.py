@@ -325,6 +325,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shrinks)")
     p.add_argument("--tier-codec", choices=("planes", "none"), default="planes",
                    dest="tier_codec", help="every mount's --tier-codec (planes)")
+    p.add_argument("--no-encrypt", action="store_true", dest="no_encrypt",
+                   help="every mount but the encryption figure's with --no-encrypt (the "
+                        "lower tiers' blocks stored unsealed)")
     p.add_argument("--figures", default="restore,large,latency,seal",
                    help="which figures to run, comma-separated (all: "
                         "restore,large,latency,seal)")
@@ -417,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         proxy = FaultProxy(("127.0.0.1", server.ports["s3.port"]))
         direct = f"s3://{BUCKET}/{PREFIX}?endpoint={server.endpoint}&region={REGION}"
         slow = f"s3://{BUCKET}/{PREFIX}?endpoint={proxy.endpoint}&region={REGION}"
-        codec_args = ["--tier-codec", args.tier_codec]
+        codec_args = ["--tier-codec", args.tier_codec,
+                      *(["--no-encrypt"] if args.no_encrypt else [])]
         restore_extra = ([] if not args.restore_fetch_timeout
                          else ["--fetch-timeout", str(args.restore_fetch_timeout)])
         w_s3 = Mount.under(os.path.join(work, "w-s3"), ["--shared", direct, *codec_args])
