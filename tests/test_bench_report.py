@@ -395,3 +395,21 @@ def test_report_defaults_to_docs_bench_and_docs_benchmarks_md(tmp_path):
     assert "docs/benchmarks.md: 1 records from docs/bench" in res.stdout
     text = (tmp_path / "docs" / "benchmarks.md").read_text()
     assert "JSON records in docs/bench/" in text and "| 128 | 31.0 | 10.4 |" in text
+
+
+def test_verdicts_read_met_or_ok_and_a_kind_showing_them_is_not_repeated(tmp_path):
+    # a record of a kind kvfs does not know: its verdicts in the generic list
+    records = tmp_path / "bench"
+    records.mkdir()
+    base = {"conditions": common.conditions([str(tmp_path)]), "command": "kvfs bench x"}
+    (records / "novel.json").write_text(json.dumps({**base, "benchmark": "novel",
+        "rows": [{"what": "a", "ms": 1}],
+        "verdicts": [{"target": "fast enough", "figures": "0.8x", "ok": True},
+                     {"target": "small enough", "measured": "2x", "met": False},
+                     {"target": "not run", "figures": "-"}]}))
+    out = tmp_path / "b.md"
+    kvfs("bench", "report", "--records", str(records), "--output", str(out))
+    text = out.read_text()
+    assert "- met: fast enough: 0.8x" in text
+    assert "- **missed**: small enough: 2x" in text
+    assert "- not measured: not run" in text

@@ -129,3 +129,24 @@ def test_every_condition_replays_the_same_plans_and_only_the_top_is_degraded(tmp
     eight = wl.agentic(1, sessions=3, turns=2, block=128, max_len=2048, output=8,
                        prefix_blocks=8)
     assert sum(r.input_length for r in eight) > sum(r.input_length for r in two)
+
+
+def test_the_ttft_verdict_carries_the_bound_a_cache_at_the_ceiling_gives():
+    def row(cond, c, hit, ttft):
+        return {"workload": "agentic", "condition": cond, "concurrency": c, "hit_rate": hit,
+                "own_hit_rate": hit, "external_hit_rate": 0.0, "ceiling": 0.6,
+                "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft}
+    record = {"params": {"concurrency": [1, 32], "workloads": {"agentic": {}}},
+              "rows": [row("alone", 1, 0.6, 100.0), row("kvfs", 1, 0.6, 100.0),
+                       row("alone", 32, 0.2, 1000.0), row("kvfs", 32, 0.5, 800.0)]}
+    v = {x["target"]: x for x in serve_report.verdicts(record)}
+    ttft = v["TTFT p50 with kvfs <= 0.5x vLLM alone's"]
+    # alone computes 80 % of the prompt tokens, kvfs 50 %, a cache at the ceiling 40 %
+    assert ttft["computed_ratio"] == pytest.approx(0.625)
+    assert ttft["ceiling_bound"] == pytest.approx(0.5)
+    assert "0.80x" in ttft["figures"] and "0.50x for a cache at the ceiling" in ttft["figures"]
+    assert ttft["ok"] is False
+    assert serve_report.compute_bound(1.0, 1.0) is None  # nothing computed alone: no bound
+    # the verdicts are listed once, in the table, with their figures
+    lines = serve_report.report_table(record)
+    assert sum("0.50x for a cache at the ceiling" in line for line in lines) == 1

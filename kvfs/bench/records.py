@@ -338,6 +338,7 @@ class Kind:
     numeric: tuple[str, ...] = ()  #: row fields that must be numbers when present
     needs_gpu: bool = False
     shown: tuple[str, ...] = ()  #: record fields the table shows (not repeated as parameters)
+    #: "verdicts" in ``shown``: the table shows the record's verdicts too (not listed again)
     #: draws a record into a matplotlib figure: (record, pyplot) -> figure; None: a table
     plot: Callable[[dict[str, Any], Any], Any] | None = None
 

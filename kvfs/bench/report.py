@@ -165,13 +165,15 @@ def _run(kind: Kind, path: str, record: dict[str, Any], out_dir: str) -> list[st
         lines += ["(No plot beside this record: `kvfs bench report --redraw` draws it from "
                   "the record, with matplotlib installed.)", ""]
     verdicts = [v for v in record.get("verdicts") or [] if isinstance(v, dict)]
-    if verdicts:
+    if verdicts and "verdicts" not in kind.shown:
         lines += ["Targets:", ""]
         for v in verdicts:
-            fig = v.get("measured", v.get("worst"))
+            fig = v.get("measured", v.get("worst", v.get("figures")))
             where = (f" (worst at {v['worst_at']}; median {v.get('median')}x)"
                      if v.get("worst_at") else "")
-            lines.append(f"- {'met' if v.get('met') else '**missed**'}: {v.get('target', '?')}"
+            met = v.get("met", v.get("ok"))
+            said = "met" if met else "**missed**" if met is not None else "not measured"
+            lines.append(f"- {said}: {v.get('target', '?')}"
                          + (f": {value_text(fig)}{where}" if fig is not None else ""))
         lines.append("")
     missed = [r for r in rows_of(record) if r.get("ok") is False]
