@@ -13,6 +13,7 @@ import pytest
 from kvfs.models.trace import Request, agentic_trace, describe, read_trace
 
 from .conftest import fuse_available, kvfs
+from .s3server import s3  # noqa: F401 - the fixture
 
 TRACE = Path(__file__).parent / "data" / "mooncake_head.jsonl"
 REPO = Path(__file__).resolve().parent.parent
@@ -703,3 +704,30 @@ def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts
     figures = {r["figure"]: r for r in record["rows"]}
     row = figures["  publish sealed vs the fastest client"]
     assert "presigned PUT + urllib3" in row["baseline"] and row["ratio"] > 0
+
+
+def test_bench_engine_holds_the_s3_restore_to_the_fastest_clients_gets(s3, monkeypatch):  # noqa: F811
+    """kvfs bench engine's S3 target: the fastest plain client reads every object of the
+    bench bucket (a real S3 server), and a row's target is kvfs warm + 1.1 x the context's
+    bytes at that client's speed."""
+    pytest.importorskip("boto3")
+    pytest.importorskip("torch")
+    import contextlib
+
+    from kvfs.bench import engine
+
+    for k, v in s3.env.items():
+        monkeypatch.setenv(k, v)
+    with contextlib.closing(s3.server.client()) as client:
+        with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+            client.create_bucket(Bucket=engine.BUCKET)
+        for i in range(3):
+            client.put_object(Bucket=engine.BUCKET, Key=f"kvfs/t/ns/{i}", Body=bytes(1 << 20))
+    fast = engine.fastest_get(s3.endpoint, repeats=2)
+    assert fast["objects"] == 3 and fast["bytes"] == 3 << 20 and fast["gbps"] > 0
+    assert len(fast["runs_gbps"]) == 2 and "presigned GET" in fast["client"]
+    row = {"kvfs_warm_ms": 100.0, "kvfs_s3_ms": 320.0, "kvfs_s3_cached": 256}
+    engine.s3_target(row, {"gbps": 1.0, "object_bytes": 1e8}, 128)  # 2 blocks: 200 MB
+    assert row["s3_bytes"] == 200_000_000
+    assert row["kvfs_s3_target_ms"] == pytest.approx(100 + 1.1 * 200)
+    assert row["kvfs_s3_vs_target"] == pytest.approx(1.0)

@@ -13,9 +13,12 @@ figure the median), in each condition:
   the same filesystem, page cache warm;
 - **kvfs S3**: KVFSConnector on a second mount sharing an S3 tier (SeaweedFS on loopback) with
   the first: the saving engine's blocks reached the bucket through the first mount's
-  write-through, the second mount's hot tier never held them, so the lookup promotes them from
-  S3 while the request waits (the lookup's budget is ``S3_BUDGET_S``, so that the whole prefix
-  is promoted rather than recomputed);
+  write-through, the second mount's hot tier never held them, so the lookup has its daemon
+  grant them (a presigned GET per block, which the client sends itself and the load reads
+  into vLLM's pages) while the request waits (the lookup's budget is ``S3_BUDGET_S``, so that
+  the whole prefix is restored rather than recomputed). Beside it, the fastest plain
+  client's GETs of every object in the bucket, and the target: kvfs warm + 1.1 x the
+  context's bytes at that client's speed;
 - **floor**: no connector, vLLM's own prefix cache on: one engine process serves each prompt,
   then (timed) the same prompt plus the tail, the whole prefix already in vLLM's own prefix
   cache. No connector can restore faster than that: its ratio to ExampleConnector bounds any
@@ -130,6 +133,7 @@ def main(args: Any) -> int:
     m2: Mount | None = None
     results: dict[str, dict[str, Any]] = {}
     floor: dict[str, Any] | None = None
+    fastest: dict[str, Any] | None = None  # the fastest plain client's GETs of the bucket
     try:
         m.start()
         m.add_tenant("bench")
@@ -156,6 +160,7 @@ def main(args: Any) -> int:
                 s3_note = (f"measured: {blocks} blocks uploaded through the first mount, "
                            f"{promotions} promoted from S3 by the second; lookup budget "
                            f"{S3_BUDGET_S:g} s")
+                fastest = fastest_get(server.endpoint)
         results["kvfs_warm"] = _engine(args, work, kv, repeated)
         if cold:
             results["kvfs_cold"] = _engine(args, work, [*kv, "--drop-caches"], repeated)
@@ -211,6 +216,8 @@ def main(args: Any) -> int:
                 row["floor_vs_example"] = round(row["floor_ms"] / row["example_ms"], 3)
             if "kvfs_s3_ms" in row:
                 row["kvfs_s3_vs_example"] = round(row["kvfs_s3_ms"] / row["example_ms"], 3)
+        if "kvfs_s3_ms" in row and fastest:
+            s3_target(row, fastest, results["kvfs_warm"].get("spec", {}).get("block_size"))
         rows.append(row)
         if crossover is None and row["kvfs_warm_ms"] < rec_ms:
             crossover = n
@@ -222,6 +229,7 @@ def main(args: Any) -> int:
         "cold_measured": cold, "seconds": round(time.monotonic() - started, 1),
         "lmcache": "not measured: LMCache's vLLM connector needs CUDA (no CPU build)",
         "s3": s3_note,
+        **({"s3_fastest_client": fastest} if fastest else {}),
         "floor_note": "vLLM's own prefix cache holding the whole prefix, same engine process: "
                       "meant as the bound no connector beats (check floor / Example)",
         "conditions": {**conditions([args.dir]), "note": args.note},
@@ -251,6 +259,42 @@ def main(args: Any) -> int:
     return finish(record, args, "\n".join(lines), draw)
 
 
+def fastest_get(endpoint: str, repeats: int = 3) -> dict[str, Any]:
+    """The fastest plain client (``kvfs bench s3clients``: presigned GETs read by urllib3
+    into memory, 32 threads) reading every object of the bench bucket: what the S3 restore's
+    target is made of. Median of ``repeats`` passes."""
+    import contextlib  # noqa: PLC0415
+
+    from .tiers_restore import TIER_THREADS, RawS3, RawURLs  # noqa: PLC0415
+
+    raw = RawS3(endpoint, TIER_THREADS)
+    try:
+        objects = [o for page in raw.client.get_paginator("list_objects_v2").paginate(
+                   Bucket=BUCKET) for o in page.get("Contents", [])]
+        size = max(o["Size"] for o in objects)
+        total = sum(o["Size"] for o in objects)
+        with contextlib.closing(RawURLs(raw, size, len(objects))) as urls:
+            times = sorted(urls.read([o["Key"] for o in objects]) for _ in range(repeats))
+    finally:
+        raw.close()
+    return {"client": f"presigned GET + urllib3 readinto x{TIER_THREADS}",
+            "objects": len(objects), "bytes": total, "object_bytes": total / len(objects),
+            "gbps": round(total / times[len(times) // 2] / 1e9, 3),
+            "runs_gbps": [round(total / t / 1e9, 3) for t in times]}
+
+
+def s3_target(row: dict[str, Any], fastest: dict[str, Any], block_tokens: int | None) -> None:
+    """The S3 restore's target: kvfs warm + 1.1 x (the context's bytes in the bucket / the
+    fastest client's GB/s), and the S3 TTFT's ratio to it."""
+    if not block_tokens or not fastest.get("gbps"):
+        return
+    nbytes = row["kvfs_s3_cached"] // block_tokens * fastest["object_bytes"]
+    row["s3_bytes"] = int(nbytes)
+    row["kvfs_s3_target_ms"] = round(row["kvfs_warm_ms"] + 1.1 * nbytes / fastest["gbps"] / 1e6,
+                                     1)
+    row["kvfs_s3_vs_target"] = round(row["kvfs_s3_ms"] / row["kvfs_s3_target_ms"], 3)
+
+
 def engine_bound(row: dict[str, Any]) -> None:
     """The engine's own work in a restored request: kvfs's warm TTFT less kvfs's lookup and
     load in it. Any connector that restores the same tokens leaves the engine this much to do
@@ -267,7 +311,7 @@ def report_table(record: dict[str, Any]) -> list[str]:
     head = ["context tokens", "recompute (ms)", "floor (ms)", "kvfs warm (ms)", "kvfs cold (ms)",
             "kvfs S3 (ms)", "ExampleConnector (ms)", "speedup (recompute / kvfs warm)",
             "kvfs warm / Example", "floor / Example", "kvfs S3 / Example",
-            "fetch amplification", "lookup (ms)", "load (ms)"]
+            "kvfs S3 / target", "fetch amplification", "lookup (ms)", "load (ms)"]
     out = []
     for r in rows_of(record):
         out.append([num_text(r.get("tokens"), "g"), num_text(r.get("recompute_ms"), ".0f"),
@@ -277,6 +321,7 @@ def report_table(record: dict[str, Any]) -> list[str]:
                     num_text(r.get("example_ms"), ".0f"), ratio_text(r.get("kvfs_warm_speedup")),
                     ratio_text(r.get("kvfs_vs_example")), ratio_text(r.get("floor_vs_example")),
                     ratio_text(r.get("kvfs_s3_vs_example")),
+                    ratio_text(r.get("kvfs_s3_vs_target")),
                     num_text(r.get("fetch_amplification"), ".2f"),
                     num_text(r.get("lookup_ms"), ".3f"),
                     num_text(r.get("load_ms"), ".1f")])
@@ -307,6 +352,15 @@ def report_table(record: dict[str, Any]) -> list[str]:
     s3 = record.get("s3")
     if isinstance(s3, str) and s3:
         tail += ["", f"S3 tier: {s3}."]
+    fast = record.get("s3_fastest_client")
+    if isinstance(fast, dict) and number(last.get("kvfs_s3_target_ms")):
+        tail += ["", f"S3 target at {number(last.get('tokens')):g} tokens: kvfs warm + 1.1 x "
+                 f"the context's {number(last.get('s3_bytes')) / 1e6:.0f} MB at the fastest "
+                 f"plain client's {number(fast.get('gbps')):.2f} GB/s ({fast.get('client')}, "
+                 f"all {fast.get('objects')} objects of the bucket, same run) = "
+                 f"{number(last.get('kvfs_s3_target_ms')):.0f} ms; restored from S3 in "
+                 f"{number(last.get('kvfs_s3_ms')):.0f} ms "
+                 f"({number(last.get('kvfs_s3_vs_target')):.2f}x of it)."]
     return md_table(head, out) + ["", *tail]
 
 
@@ -318,7 +372,7 @@ def draw(record: dict[str, Any], plt: Any) -> Any:
         ("floor_ms", "floor: vLLM's own prefix cache", "k:"),
         ("kvfs_warm_ms", "kvfs, page cache warm", "s-"),
         ("kvfs_cold_ms", "kvfs, page cache cold", "s--"),
-        ("kvfs_s3_ms", "kvfs, promoted from S3", "D-."),
+        ("kvfs_s3_ms", "kvfs, restored from S3", "D-."),
         ("example_ms", "vLLM ExampleConnector", "^-")), "kvfs",
         f"kvfs bench engine: vLLM + {record.get('model', '?')}")
 
@@ -334,8 +388,11 @@ an untimed warm-up prompt, vLLM's own prefix cache off: with no connector (**rec
 the KVFSConnector (page cache **warm**, and **cold**: dropped before each request), and with
 vLLM's ExampleConnector on the same filesystem (a copy that restores the longest stored
 prefix); **kvfs S3**: the KVFSConnector on a second mount sharing an S3 tier (SeaweedFS on
-loopback) with the first, its hot tier empty, so each lookup promotes the blocks from S3 while
-the request waits (lookup budget 60 s); **floor**: no connector, vLLM's own prefix cache on, one
+loopback) with the first, its hot tier empty, so each lookup has its daemon grant the blocks
+(presigned GETs the client sends itself, read into vLLM's pages by the load; lookup budget
+60 s), held to a target of kvfs warm + 1.1 x the context's bytes at the speed of the fastest
+plain client (presigned GETs read by urllib3 on 32 threads, every object of the bucket, same
+run); **floor**: no connector, vLLM's own prefix cache on, one
 engine process serving each prompt and then (timed) the prompt plus the tail, the whole prefix
 already in vLLM's own cache: the least time any connector can restore in, so "floor / Example"
 bounds every connector's ratio to ExampleConnector. Time to first token is the request's
