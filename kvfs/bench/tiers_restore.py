@@ -190,11 +190,15 @@ class RawFiles:
 class RawS3:
     """Threaded boto3 GETs of whole objects into memory: the store's own limit."""
 
-    def __init__(self, endpoint: str, threads: int) -> None:
+    def __init__(self, endpoint: str, threads: int, credentials: tuple[str, str] | None = None
+                 ) -> None:
+        """``credentials``: (access key, secret key); None: boto3's own (the environment)."""
         import boto3  # noqa: PLC0415
         from botocore.config import Config  # noqa: PLC0415
 
-        self.client = boto3.session.Session().client(
+        keys = ({} if credentials is None else
+                {"aws_access_key_id": credentials[0], "aws_secret_access_key": credentials[1]})
+        self.client = boto3.session.Session(**keys).client(
             "s3", endpoint_url=endpoint, region_name=REGION,
             config=Config(s3={"addressing_style": "path"}, max_pool_connections=threads,
                           connect_timeout=2, read_timeout=10,
