@@ -938,3 +938,34 @@ def test_a_lookup_leases_its_blocks_to_the_load(mount_factory, monkeypatch, how)
             os.unlink(os.path.join(c.ns_dir, hashing.block_relpath(h)))
         time.sleep(0.01)
         assert c.load(again, empty(4)) == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_a_cache_used_from_a_bound_thread_does_its_io_on_every_cpu(mount, tenant, monkeypatch):
+    """An engine's thread bound to one core (vLLM's CPU build binds its main thread through
+    OpenMP) saves and loads through a KVCache: the client's I/O threads run on every CPU the
+    process may use (kvfs.client.cpus), not on the engine's core alone."""
+    import threading
+
+    monkeypatch.delenv("KVFS_IO_CPUS", raising=False)
+    allowed = os.sched_getaffinity(0)
+    seen: dict[str, set[int]] = {}
+
+    def engine_thread():
+        os.sched_setaffinity(0, {min(allowed)})
+        with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+            hashes = c.block_hashes(tokens(8))
+            c.save(hashes, kv_of(hashes))
+            c.flush()
+            out = empty(8)
+            assert c.lookup(hashes) == 8 and c.load(hashes, out) == 8
+            assert torch.equal(out, kv_of(hashes))
+            for th in threading.enumerate():
+                if th.name.startswith(("kvfs-io", "kvfs-save", "kvfs-load")):
+                    seen[th.name] = os.sched_getaffinity(th.native_id)
+
+    t = threading.Thread(target=engine_thread)
+    t.start()
+    t.join()
+    assert seen, "no I/O thread of the client found"
+    assert all(cpus == allowed for cpus in seen.values()), seen

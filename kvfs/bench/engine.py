@@ -274,7 +274,8 @@ def fastest_get(endpoint: str, repeats: int = 3) -> dict[str, Any]:
     raw = RawS3(endpoint, TIER_THREADS, (ACCESS_KEY, SECRET_KEY))
     try:
         objects = [o for page in raw.client.get_paginator("list_objects_v2").paginate(
-                   Bucket=BUCKET) for o in page.get("Contents", [])]
+                   Bucket=BUCKET) for o in page.get("Contents", [])
+                   if ".kvfs/" not in o["Key"]]  # the blocks, not the tenants' key objects
         size = max(o["Size"] for o in objects)
         total = sum(o["Size"] for o in objects)
         with contextlib.closing(RawURLs(raw, size, len(objects))) as urls:

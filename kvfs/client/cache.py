@@ -42,7 +42,7 @@ from ..format.hashing import ModelSpec
 from ..format.hashing import block_hashes as _block_hashes
 from ..format.layout import MANIFEST as _MANIFEST
 from ..format.layout import TEMP_PREFIX
-from . import leases, remote
+from . import cpus, leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .keys import NamespaceKeys
 from .layouts import DTYPES
@@ -157,11 +157,16 @@ class KVCache(Saving, Loading):
         self._data_prefix = os.path.join(data_dir, "")
         self._threads = threads
         self._tls = threading.local()  # each I/O thread's header and probe buffers
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io")
-        self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load")
+        # Every I/O thread on every CPU the process may use, whatever binding the engine's
+        # threads have (kvfs.client.cpus).
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvfs-io",
+                                        initializer=cpus.spread)
+        self._loads = ThreadPoolExecutor(8, thread_name_prefix="kvfs-load",
+                                         initializer=cpus.spread)
         # GETs from a shared tier wait on the network, not the CPU: as many as its store
         # serves well at once.
-        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvfs-get")
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvfs-get",
+                                               initializer=cpus.spread)
         # The daemon answers grants (False once it refused one). What a grant leaves (answered
         # GETs, handed-out files) is this process's: where the loads run in another
         # (``loads_here`` False), the daemon places the blocks hot instead.

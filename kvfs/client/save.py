@@ -32,7 +32,7 @@ import torch
 from ..format import blockfile, codec, control, seal
 from ..format.hashing import ROOT_PARENT
 from ..format.layout import TEMP_PREFIX
-from . import devsum
+from . import cpus, devsum
 from .channel import ControlChannel
 from .keys import NamespaceKeys
 from .layouts import Layouts, stream_done
@@ -367,6 +367,7 @@ class Saving(Layouts):
             self._count(behind_blocks=written)
 
     def _write_queued(self) -> None:
+        cpus.spread()
         while (item := self._saves.get()) is not None:
             if item[0] == "behind":
                 try:

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvfs.client import cpus
+
 if TYPE_CHECKING:
     from kvfs.client import KVCache
     from kvfs.format.hashing import ModelSpec
@@ -55,6 +57,7 @@ class LayerLoad:
         self._thread.join()
 
     def _run(self) -> None:
+        cpus.spread()  # vLLM's CPU build binds the thread that starts this one to its cores
         running: list = []
         done = 0  # loads accounted
         try:
