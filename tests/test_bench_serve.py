@@ -132,13 +132,15 @@ def test_every_condition_replays_the_same_plans_and_only_the_top_is_degraded(tmp
 
 
 def test_the_ttft_verdict_carries_the_bound_a_cache_at_the_ceiling_gives():
-    def row(cond, c, hit, ttft):
+    def row(cond, c, hit, ttft, per_request_s=1.0):
         return {"workload": "agentic", "condition": cond, "concurrency": c, "hit_rate": hit,
                 "own_hit_rate": hit, "external_hit_rate": 0.0, "ceiling": 0.6,
-                "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft}
+                "ttft_p50_ms": ttft, "ttft_p99_ms": 2 * ttft, "saved_ceiling": 0.9,
+                "requests_per_s": 1 / per_request_s}
     record = {"params": {"concurrency": [1, 32], "workloads": {"agentic": {}}},
               "rows": [row("alone", 1, 0.6, 100.0), row("kvfs", 1, 0.6, 100.0),
-                       row("alone", 32, 0.2, 1000.0), row("kvfs", 32, 0.5, 800.0)]}
+                       row("alone", 32, 0.2, 1000.0, 0.9), row("kvfs", 32, 0.5, 800.0),
+                       row("kvfs_s3", 32, 0.9, 300.0, 0.2)]}
     v = {x["target"]: x for x in serve_report.verdicts(record)}
     ttft = v["TTFT p50 with kvfs <= 0.5x vLLM alone's"]
     # alone computes 80 % of the prompt tokens, kvfs 50 %, a cache at the ceiling 40 %
@@ -146,6 +148,13 @@ def test_the_ttft_verdict_carries_the_bound_a_cache_at_the_ceiling_gives():
     assert ttft["ceiling_bound"] == pytest.approx(0.5)
     assert "0.80x" in ttft["figures"] and "0.50x for a cache at the ceiling" in ttft["figures"]
     assert ttft["ok"] is False
+    # time per request 0.1 s + 1.0 s x the share computed, through alone (0.8: 0.9 s) and
+    # the 2nd host (0.1: 0.2 s): at the ceiling (0.4 computed) 0.5 / 0.9 of alone's
+    assert ttft["fit_fixed_s"] == pytest.approx(0.1) and ttft["fit_per_share_s"] == 1.0
+    assert ttft["fit_ceiling_ratio"] == pytest.approx(0.556, abs=1e-3)
+    assert ttft["fit_kvfs_ratio"] == pytest.approx(0.667, abs=1e-3)
+    assert "0.56x at the ceiling" in ttft["figures"]
+    assert serve_report.request_time_fit(record["rows"][2], None) is None
     assert serve_report.compute_bound(1.0, 1.0) is None  # nothing computed alone: no bound
     # the verdicts are listed once, in the table, with their figures
     lines = serve_report.report_table(record)

@@ -25,6 +25,27 @@ def compute_bound(alone_hit: float, hit: float) -> float | None:
     return (1 - hit) / (1 - alone_hit) if alone_hit < 1 else None
 
 
+def request_time_fit(alone: dict[str, Any], other: dict[str, Any] | None
+                     ) -> dict[str, Any] | None:
+    """A server's time per request (1 / requests per second) as a fixed part plus a part
+    proportional to the share of prompt tokens it computes, fit through two conditions of
+    one run at one concurrency (vLLM alone and the second host, far apart in hit rate). The
+    fixed part (scheduling, the answer's decode, a restore's own cost) is what the token
+    bound leaves out: ``at(hit)`` is the time per request at hit rate ``hit`` over vLLM
+    alone's. None where the two points do not give a line."""
+    if other is None or not alone.get("requests_per_s") or not other.get("requests_per_s"):
+        return None
+    x1, x2 = 1 - alone["hit_rate"], 1 - other["hit_rate"]
+    t1, t2 = 1 / alone["requests_per_s"], 1 / other["requests_per_s"]
+    if abs(x1 - x2) < 0.1:
+        return None
+    b = (t1 - t2) / (x1 - x2)
+    a = t1 - b * x1
+    if a < 0 or b <= 0:
+        return None
+    return {"fixed_s": a, "per_share_s": b, "at": lambda hit: (a + b * (1 - hit)) / t1}
+
+
 def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
     """The issue's targets, each with its figures and whether it is met (None: not
     measured in this record)."""
@@ -52,13 +73,23 @@ def verdicts(record: dict[str, Any]) -> list[dict[str, Any]]:
             ratio = kv["ttft_p50_ms"] / alone["ttft_p50_ms"] if alone["ttft_p50_ms"] else None
             bound = compute_bound(alone["hit_rate"], kv["ceiling"])
             computed = compute_bound(alone["hit_rate"], kv["hit_rate"])
+            fit = request_time_fit(alone, s3)
             out.append({"workload": w, "target": "TTFT p50 with kvfs <= 0.5x vLLM alone's",
                         "figures": (f"{kv['ttft_p50_ms']:.0f} / {alone['ttft_p50_ms']:.0f} ms"
                                     f" = {ratio:.2f}x" if ratio is not None else "-")
                         + (f"; prompt tokens computed {computed:.2f}x of alone's, "
-                           f"{bound:.2f}x for a cache at the ceiling" if bound else ""),
+                           f"{bound:.2f}x for a cache at the ceiling" if bound else "")
+                        + (f"; time per request (fit: {fit['fixed_s'] * 1e3:.0f} ms + "
+                           f"{fit['per_share_s'] * 1e3:.0f} ms x the share computed) "
+                           f"{fit['at'](kv['hit_rate']):.2f}x at kvfs's hit rate, "
+                           f"{fit['at'](kv['ceiling']):.2f}x at the ceiling" if fit else ""),
                         "ok": ratio is not None and ratio <= 0.5,
-                        "computed_ratio": computed, "ceiling_bound": bound})
+                        "computed_ratio": computed, "ceiling_bound": bound,
+                        **({"fit_fixed_s": round(fit["fixed_s"], 4),
+                            "fit_per_share_s": round(fit["per_share_s"], 4),
+                            "fit_kvfs_ratio": round(fit["at"](kv["hit_rate"]), 3),
+                            "fit_ceiling_ratio": round(fit["at"](kv["ceiling"]), 3)}
+                           if fit else {})})
         if s3:
             out.append({"workload": w, "target": "the 2nd host, restoring from S3, hits what "
                         "the 1st saved (>= 90 % of the saved blocks' tokens)",
