@@ -371,7 +371,7 @@ def report_table(record: dict[str, Any]) -> list[str]:
 
 def draw(record: dict[str, Any], plt: Any) -> Any:
     """TTFT against context length, a line per condition (recompute, the prefix-cache floor,
-    kvfs warm, cold and promoted from S3, ExampleConnector)."""
+    kvfs warm, cold and restored from S3, ExampleConnector)."""
     return ttft(record, plt, (
         ("recompute_ms", "recompute (no connector)", "o-"),
         ("floor_ms", "floor: vLLM's own prefix cache", "k:"),
