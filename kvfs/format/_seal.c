@@ -65,8 +65,9 @@ static int gcm_init(Gcm *self, PyObject *args, PyObject *kwds)
                                      &decrypt))
         return -1;
     int rc = -1;
-    if (key.len != KEY_BYTES || nonce.len != NONCE_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "Gcm: a 32-byte key and a 12-byte nonce");
+    if (key.len != KEY_BYTES || nonce.len != NONCE_BYTES || aad.len > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError,
+                        "Gcm: a 32-byte key, a 12-byte nonce and associated data under 2 GiB");
         goto out;
     }
     if (self->ctx || self->hash) {
@@ -91,7 +92,7 @@ static int gcm_init(Gcm *self, PyObject *args, PyObject *kwds)
           EVP_CIPHER_CTX_ctrl(self->ctx, EVP_CTRL_GCM_SET_IVLEN, NONCE_BYTES, NULL) &&
           EVP_EncryptInit_ex(self->ctx, NULL, NULL, key.buf, nonce.buf) &&
           (aad.len == 0 || EVP_EncryptUpdate(self->ctx, NULL, &outl, aad.buf, (int)aad.len));
-    if (!ok || aad.len > INT32_MAX) {
+    if (!ok) {
         crypto_error("the cipher's set-up");
         goto out;
     }

@@ -212,7 +212,7 @@ class Opener:
         e = h.encoding
         if e is None or e.seal is None or e.codec != blockfile.CODEC_NONE:
             raise ValueError("not a sealed block stored as is")
-        self.h = h
+        self.h, self._tag = h, e.seal.tag
         self._dec = cipher(block_key(ns_key, h.block_hash), e.seal.nonce,
                            associated_data(blockfile.encode_header(h), tenant, namespace),
                            decrypt=True)
@@ -231,8 +231,7 @@ class Opener:
             if self._fed != self.h.payload_len:
                 raise BlockFormatError("length", f"stored bytes are {self._fed}, header says "
                                        f"{self.h.payload_len}")
-            assert self.h.encoding is not None and self.h.encoding.seal is not None
-            if not self._dec.finish(self.h.encoding.seal.tag):
+            if not self._dec.finish(self._tag):
                 raise BlockFormatError("auth", "the block does not authenticate under its "
                                        "tenant's key (moved, tampered with, torn, or another "
                                        "tenant's)")
