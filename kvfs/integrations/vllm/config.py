@@ -18,12 +18,15 @@ if TYPE_CHECKING:
 
 #: Extra config keys this connector reads (any other key is refused at start).
 CONFIG_KEYS = ("mount", "tenant", "verify", "lookup_budget_s", "model_id", "revision",
-               "direct", "max_pending_saves", "layerwise", "kv_codec")
+               "direct", "max_pending_saves", "layerwise", "kv_codec", "inflight_wait_s")
 #: ``kv_codec`` values: "exact" (the default: KV as the engine computed it, or as the
 #: mount's hot-tier codec stores it losslessly), or a lossy codec (kvfs.format.codec.LOSSY), which
 #: names another namespace.
 KV_CODECS = ("exact", "int8")
 DEFAULT_LOOKUP_BUDGET_S = 0.2
+#: Seconds a new request may wait for the blocks of its prefix that another request of the
+#: same engine is computing (and will save) rather than compute them a second time.
+DEFAULT_INFLIGHT_WAIT_S = 30.0
 
 
 class ConfigError(ValueError):
@@ -115,6 +118,14 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
         raise ConfigError("kv_connector_extra_config.lookup_budget_s must be a number >= 0, "
                           f"got {extra.get('lookup_budget_s')!r}") from None
     extra["lookup_budget_s"] = budget
+    try:
+        inflight = float(extra.get("inflight_wait_s", DEFAULT_INFLIGHT_WAIT_S))
+        if inflight < 0:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError("kv_connector_extra_config.inflight_wait_s must be a number >= 0, "
+                          f"got {extra.get('inflight_wait_s')!r}") from None
+    extra["inflight_wait_s"] = inflight
     if extra.get("direct") not in (None, True, False):
         raise ConfigError("kv_connector_extra_config.direct must be true, false or absent")
     if extra.get("layerwise") not in (None, True, False):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ from .config import ConfigError, extra_config, model_spec, open_cache
 from .events import KVEvents
 from .layerload import LayerLoad
 from .mountwatch import MountWatch
-from .scheduler import SchedulerSide, _Request, _Transfer
+from .scheduler import SchedulerSide, _Owner, _Parked, _Request, _Transfer
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -73,6 +74,10 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, Future[_Request]] = {}
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfs-lookup")
+        self._deferred_at: dict[str, float] = {}
+        self._computing: dict[bytes, _Owner] = {}
+        self._planned: deque[tuple[float, bytes]] = deque()
+        self._parked: dict[str, _Parked] = {}
         self.events = KVEvents(self.cache, self.watch, self._block_size)
         # worker side
         self._layers: list[torch.Tensor] = []

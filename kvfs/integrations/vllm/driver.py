@@ -102,6 +102,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-file", action="append", required=True,
                    help="a prompt (JSON: token ids, or {\"parts\": [[text, max_tokens]]}); "
                         "repeat for several requests, run one after the other")
+    p.add_argument("--together", action="store_true",
+                   help="submit every prompt at once (one generate call: they arrive together "
+                        "and vLLM batches them as it can); each request's seconds are the "
+                        "batch's, its counters the batch's (on the first)")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--logprobs", type=int, default=0, metavar="N",
                    help="record the top N logprobs of each generated token")
@@ -174,7 +178,23 @@ def main(argv: list[str] | None = None) -> int:
                     c.get_num_new_matched_tokens, args.lookup_gate)
     results: list[dict[str, Any]] = []
     snapshot_0 = snapshot()
-    for i, path in enumerate(args.prompt_file):
+    if args.together:
+        prompts = [TokensPrompt(prompt_token_ids=_prompt_tokens(llm, p))
+                   for p in args.prompt_file]
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - t0
+        after = snapshot()
+        delta = {k: v - snapshot_0.get(k, 0) for k, v in after.items()
+                 if v != snapshot_0.get(k, 0)}
+        for i, out in enumerate(outs):
+            results.append({"prompt_tokens": len(out.prompt_token_ids or []),
+                            "seconds": seconds, "counters": delta if i == 0 else {},
+                            "_after": after, "cached_tokens": out.num_cached_tokens,
+                            "prompt_token_ids": list(out.prompt_token_ids or []),
+                            "text": out.outputs[0].text,
+                            "token_ids": list(out.outputs[0].token_ids)})
+    for i, path in enumerate([] if args.together else args.prompt_file):
         if args.gate and i:
             _wait_gate(args.gate, i)
         tokens = _prompt_tokens(llm, path)

@@ -6,8 +6,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +33,35 @@ log = logging.getLogger(__name__)
 #: tiers (the lookup itself may take up to lookup_budget_s: past this, the request waits
 #: alone).
 LOOKUP_WAIT_S = 0.005
+#: A request asked about again within this many seconds of its own last deferral found the
+#: engine with nothing else to do (a whole step went by without computing anything): the
+#: scheduler then waits (up to LOOKUP_WAIT_S, until any lookup ends) instead of spinning.
+IDLE_STEP_S = 0.001
+#: Once the request computing a block has handed it to its worker to save and a step has
+#: gone by (the step that computes it), seconds the requests waiting for that block keep
+#: looking for it (the save lands asynchronously), and at most how often each looks.
+SAVE_GRACE_S = 2.0
+RELOOK_S = 0.02
+#: Seconds a block handed to save stays known as computed here (then a lookup finds it).
+FORGET_PLANNED_S = 60.0
+
+
+@dataclass
+class _Owner:
+    """The request of this engine that computes (and will save) a block no lookup found."""
+
+    rid: str
+    planned_at: float | None = None  # when its save was handed to the worker
+    looked_at: float | None = None  # when a waiting request first looked for it since
+
+
+@dataclass
+class _Parked:
+    """A request waiting for a block of its prefix that another request is computing."""
+
+    block: bytes
+    deadline: float
+    looked: float  # when its last lookup answered
 
 
 @dataclass
@@ -74,6 +105,10 @@ class SchedulerSide:
     _requests: dict[str, _Request]
     _lookups: dict[str, Future[_Request]]  # lookups running in _lookup_pool
     _lookup_pool: ThreadPoolExecutor
+    _deferred_at: dict[str, float]  # request -> time.monotonic() of its last deferral
+    _computing: dict[bytes, _Owner]  # blocks this engine's requests compute and will save
+    _planned: deque[tuple[float, bytes]]  # (when, block) of _computing's planned entries
+    _parked: dict[str, _Parked]  # requests waiting for a block another one computes
     events: KVEvents
 
     _count: Callable[..., None]
@@ -95,11 +130,19 @@ class SchedulerSide:
         state = self._requests.get(rid)
         local = num_computed_tokens // self._block_size
         if state is None:
+            parked = self._parked.get(rid)
+            if parked is not None and not self._look_again(parked):
+                self._idle_wait(rid, sleep=True)
+                self._deferred_at[rid] = time.monotonic()
+                return None, False
             state = self._looked_up(request, local)
             if state is None:
                 self._count(deferred=1)
                 return None, False  # vLLM asks again at its next step
+            if self._park(rid, state, local):
+                return None, False
             self._requests[rid] = state
+            self._claim(rid, state, local)
         if state.hit <= local:
             return 0, False
         return (state.hit - local) * self._block_size, False
@@ -122,11 +165,88 @@ class SchedulerSide:
             with contextlib.suppress(TimeoutError):
                 fut.result(timeout=LOOKUP_WAIT_S)
         if not fut.done():
+            self._idle_wait(rid)
+        if not fut.done():
+            self._deferred_at[rid] = time.monotonic()
             return None
         del self._lookups[rid]
         state = fut.result()  # _lookup catches what a lookup raises
         self._offer_lookup(state)
         return state
+
+    def _idle_wait(self, rid: str, *, sleep: bool = False) -> None:
+        """Where a whole step went by since ``rid`` was last deferred and computed nothing,
+        wait briefly (until any lookup ends, at most LOOKUP_WAIT_S; ``sleep``: that long):
+        vLLM's engine loop would otherwise ask again at once, thousands of times a second,
+        holding the GIL and a core that the lookups' threads and the saves (in this
+        process) need. Once a step: the other requests' last deferrals are older by then."""
+        if time.monotonic() - self._deferred_at.get(rid, 0.0) >= IDLE_STEP_S:
+            return
+        if self._lookups:
+            wait_futures(list(self._lookups.values()), timeout=LOOKUP_WAIT_S,
+                         return_when=FIRST_COMPLETED)
+        elif sleep:
+            time.sleep(LOOKUP_WAIT_S)
+
+    # -- prefixes being computed ----------------------------------------------------------
+    #
+    # Requests that arrive together often share a prefix that no lookup finds yet: the first
+    # of them computes it, and each of the others would compute it again beside it. A
+    # request whose first missing block another request of this engine is computing waits
+    # (unscheduled, as for a lookup) until that block has been handed to the worker to save,
+    # then looks again, and loads what the other computed (up to ``inflight_wait_s``).
+
+    def _park(self, rid: str, state: _Request, local: int) -> bool:
+        """Whether ``rid`` waits for a block of its prefix another request computes."""
+        first = max(state.hit, local)
+        usable = state.asked or 0
+        if first >= usable or self._extra["inflight_wait_s"] <= 0:
+            self._unpark(rid)
+            return False
+        block = state.hashes[first]
+        owner = self._computing.get(block)
+        now = time.monotonic()
+        parked = self._parked.get(rid)
+        if owner is not None and owner.planned_at is not None and owner.looked_at is None:
+            owner.looked_at = now  # the step that computes it is over: its save is on its way
+        if (owner is None or owner.rid == rid
+                or (parked is not None and now >= parked.deadline)
+                or (owner.looked_at is not None and now > owner.looked_at + SAVE_GRACE_S)):
+            self._unpark(rid)
+            return False
+        if parked is None:
+            self._parked[rid] = _Parked(block, now + self._extra["inflight_wait_s"], now)
+            self._count(parked=1)
+        else:
+            parked.block, parked.looked = block, now
+        self._deferred_at[rid] = now
+        return True
+
+    def _look_again(self, parked: _Parked) -> bool:
+        """Whether a parked request looks again now: the block it waits for has been handed
+        to a worker to save (looked for every RELOOK_S until it is found), or its computing
+        request is gone, or the wait is over."""
+        now = time.monotonic()
+        owner = self._computing.get(parked.block)
+        if owner is None or now >= parked.deadline:
+            return True
+        return owner.planned_at is not None and now - parked.looked >= RELOOK_S
+
+    def _unpark(self, rid: str) -> None:
+        parked = self._parked.pop(rid, None)
+        self._deferred_at.pop(rid, None)
+        if parked is not None:
+            self._count(parked_s=time.monotonic() - (parked.deadline
+                                                     - self._extra["inflight_wait_s"]))
+
+    def _claim(self, rid: str, state: _Request, local: int) -> None:
+        """The blocks ``rid`` will compute and save: its prompt's full blocks past its hit
+        (a block another request computed and handed to save, that this one's lookup did
+        not find, is this one's now: the waiting requests wait for it)."""
+        for block in state.hashes[max(state.hit, local):]:
+            owner = self._computing.get(block)
+            if owner is None or owner.planned_at is not None:
+                self._computing[block] = _Owner(rid)
 
     def _offer_lookup(self, state: _Request) -> None:
         try:
@@ -203,6 +323,18 @@ class SchedulerSide:
             s = state.saved
             meta.saves.append(_Transfer(req_id, state.hashes[s:full], state.block_ids[s:full],
                                         parent=state.hashes[s - 1] if s else None))
+            now = time.monotonic()
+            for block in state.hashes[s:full]:
+                owner = self._computing.get(block)
+                if owner is not None and owner.rid == req_id and owner.planned_at is None:
+                    owner.planned_at = now
+                    self._planned.append((now, block))
+            while self._planned and now - self._planned[0][0] > FORGET_PLANNED_S:
+                _, old = self._planned.popleft()
+                done = self._computing.get(old)
+                if done is not None and done.planned_at is not None \
+                        and now - done.planned_at > FORGET_PLANNED_S:
+                    del self._computing[old]
             bs = self._block_size
             self.events.planned(state.hashes[s - 1] if s else None, state.hashes[s:full],
                                 state.tokens[s * bs:full * bs])
@@ -223,6 +355,14 @@ class SchedulerSide:
                          block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their pages out during the step that completes them: the blocks may
         # be freed now.
-        self._requests.pop(request.request_id, None)
-        self._lookups.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        rid = request.request_id
+        self._lookups.pop(rid, None)
+        self._unpark(rid)
+        # What it claimed and did not compute, nobody waits for now (what it handed to save
+        # stays known: the waiting requests look for it).
+        for block in (state.hashes if state is not None else ()):
+            owner = self._computing.get(block)
+            if owner is not None and owner.rid == rid and owner.planned_at is None:
+                del self._computing[block]
         return False, None
