@@ -264,6 +264,37 @@ def test_another_tenant_gets_no_hit_and_a_foreign_uid_fails_at_start(work, saved
     assert f"uid {UID_B} may not use tenant 'acme'" in res.stderr
 
 
+def test_seconds_keys_are_checked_naming_the_key(work):
+    """lookup_budget_s and inflight_wait_s: numbers of seconds >= 0, their defaults where
+    absent; anything else a ConfigError naming the key (checked in vLLM's venv, where the
+    connector's package imports)."""
+    code = """
+import json, sys
+from types import SimpleNamespace as N
+from kvfs.integrations.vllm.config import ConfigError, extra_config
+def cfg(**kw):
+    return N(kv_transfer_config=N(kv_connector_extra_config={"mount": "/m", "tenant": "t", **kw}))
+out = {"defaults": [extra_config(cfg())[k] for k in ("lookup_budget_s", "inflight_wait_s")],
+       "given": extra_config(cfg(inflight_wait_s=0, lookup_budget_s="2.5"))["lookup_budget_s"],
+       "errors": []}
+for key in ("lookup_budget_s", "inflight_wait_s"):
+    for bad in (-1, "x", True, None, float("nan")):
+        try:
+            extra_config(cfg(**{key: bad}))
+        except ConfigError as exc:
+            out["errors"].append(str(exc))
+json.dump(out, sys.stdout)
+"""
+    argv, env = engine_argv(work)
+    res = subprocess.run([argv[0], "-c", code], capture_output=True, text=True, env=env,
+                         cwd=str(ROOT), check=True)
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["defaults"] == [0.2, 30.0] and out["given"] == 2.5
+    assert len(out["errors"]) == 10, out["errors"]
+    assert all("must be a number >= 0" in e for e in out["errors"])
+    assert sum("kv_connector_extra_config.inflight_wait_s" in e for e in out["errors"]) == 5
+
+
 @pytest.mark.mount
 def test_bad_configuration_fails_at_start_naming_the_key(work, saved):
     m, _ = saved

@@ -98,6 +98,21 @@ def _cpu_page_layout(dtype: Any, block_size: int, head_size: int, cache_dtype: s
         return "cpu-" + torch.backends.cpu.get_cpu_capability().lower()
 
 
+def _seconds(extra: dict[str, Any], key: str, default: float) -> float:
+    """``extra[key]`` as a number of seconds >= 0 (``default`` where absent)."""
+    value = extra.get(key, default)
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        seconds = float(value)
+        if not seconds >= 0:  # also NaN
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ConfigError(f"kv_connector_extra_config.{key} must be a number >= 0, "
+                          f"got {value!r}") from None
+    return seconds
+
+
 def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
     unknown = sorted(set(extra) - set(CONFIG_KEYS))
@@ -110,22 +125,9 @@ def extra_config(vllm_config: VllmConfig) -> dict[str, Any]:
     if extra.get("verify", "full") not in ("full", "sampled"):
         raise ConfigError("kv_connector_extra_config.verify must be 'full' or 'sampled', "
                           f"got {extra['verify']!r}")
-    try:
-        budget = float(extra.get("lookup_budget_s", DEFAULT_LOOKUP_BUDGET_S))
-        if budget < 0:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError("kv_connector_extra_config.lookup_budget_s must be a number >= 0, "
-                          f"got {extra.get('lookup_budget_s')!r}") from None
-    extra["lookup_budget_s"] = budget
-    try:
-        inflight = float(extra.get("inflight_wait_s", DEFAULT_INFLIGHT_WAIT_S))
-        if inflight < 0:
-            raise ValueError
-    except (TypeError, ValueError):
-        raise ConfigError("kv_connector_extra_config.inflight_wait_s must be a number >= 0, "
-                          f"got {extra.get('inflight_wait_s')!r}") from None
-    extra["inflight_wait_s"] = inflight
+    for key, default in (("lookup_budget_s", DEFAULT_LOOKUP_BUDGET_S),
+                         ("inflight_wait_s", DEFAULT_INFLIGHT_WAIT_S)):
+        extra[key] = _seconds(extra, key, default)
     if extra.get("direct") not in (None, True, False):
         raise ConfigError("kv_connector_extra_config.direct must be true, false or absent")
     if extra.get("layerwise") not in (None, True, False):
