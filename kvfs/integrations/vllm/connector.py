@@ -74,7 +74,7 @@ class KVFSConnector(SchedulerSide, WorkerSide, KVConnectorBase_V1):
         self._requests: dict[str, _Request] = {}
         self._lookups: dict[str, Future[_Request]] = {}
         self._lookup_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfs-lookup")
-        self._deferred_at: dict[str, float] = {}
+        self._step, self._idle, self._waited = 0, False, -1
         self._computing: dict[bytes, _Owner] = {}
         self._planned: deque[tuple[float, bytes]] = deque()
         self._parked: dict[str, _Parked] = {}

@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 #: tiers (the lookup itself may take up to lookup_budget_s: past this, the request waits
 #: alone).
 LOOKUP_WAIT_S = 0.005
-#: A request asked about again within this many seconds of its own last deferral found the
-#: engine with nothing else to do (a whole step went by without computing anything): the
-#: scheduler then waits (up to LOOKUP_WAIT_S, until any lookup ends) instead of spinning.
-IDLE_STEP_S = 0.001
 #: Once the request computing a block has handed it to its worker to save and a step has
 #: gone by (the step that computes it), seconds the requests waiting for that block keep
 #: looking for it (the save lands asynchronously), and at most how often each looks.
@@ -105,7 +101,9 @@ class SchedulerSide:
     _requests: dict[str, _Request]
     _lookups: dict[str, Future[_Request]]  # lookups running in _lookup_pool
     _lookup_pool: ThreadPoolExecutor
-    _deferred_at: dict[str, float]  # request -> time.monotonic() of its last deferral
+    _step: int  # the scheduler's steps so far (build_connector_meta calls)
+    _idle: bool  # whether the last step scheduled nothing
+    _waited: int  # the step in which the scheduler side last waited (_idle_wait)
     _computing: dict[bytes, _Owner]  # blocks this engine's requests compute and will save
     _planned: deque[tuple[float, bytes]]  # (when, block) of _computing's planned entries
     _parked: dict[str, _Parked]  # requests waiting for a block another one computes
@@ -132,8 +130,7 @@ class SchedulerSide:
         if state is None:
             parked = self._parked.get(rid)
             if parked is not None and not self._look_again(parked):
-                self._idle_wait(rid, sleep=True)
-                self._deferred_at[rid] = time.monotonic()
+                self._idle_wait(sleep=True)
                 return None, False
             state = self._looked_up(request, local)
             if state is None:
@@ -165,23 +162,23 @@ class SchedulerSide:
             with contextlib.suppress(TimeoutError):
                 fut.result(timeout=LOOKUP_WAIT_S)
         if not fut.done():
-            self._idle_wait(rid)
+            self._idle_wait()
         if not fut.done():
-            self._deferred_at[rid] = time.monotonic()
             return None
         del self._lookups[rid]
         state = fut.result()  # _lookup catches what a lookup raises
         self._offer_lookup(state)
         return state
 
-    def _idle_wait(self, rid: str, *, sleep: bool = False) -> None:
-        """Where a whole step went by since ``rid`` was last deferred and computed nothing,
-        wait briefly (until any lookup ends, at most LOOKUP_WAIT_S; ``sleep``: that long):
-        vLLM's engine loop would otherwise ask again at once, thousands of times a second,
-        holding the GIL and a core that the lookups' threads and the saves (in this
-        process) need. Once a step: the other requests' last deferrals are older by then."""
-        if time.monotonic() - self._deferred_at.get(rid, 0.0) >= IDLE_STEP_S:
+    def _idle_wait(self, *, sleep: bool = False) -> None:
+        """Where the last step scheduled nothing, wait briefly, once a step (until any lookup
+        ends, at most LOOKUP_WAIT_S; ``sleep``: that long): vLLM's engine loop would
+        otherwise ask again at once, thousands of times a second, holding the GIL and a core
+        that the lookups' threads and the saves (in this process) need. A step that
+        computes anything is never delayed."""
+        if not self._idle or self._waited == self._step:
             return
+        self._waited = self._step
         if self._lookups:
             wait_futures(list(self._lookups.values()), timeout=LOOKUP_WAIT_S,
                          return_when=FIRST_COMPLETED)
@@ -219,7 +216,6 @@ class SchedulerSide:
             self._count(parked=1)
         else:
             parked.block, parked.looked = block, now
-        self._deferred_at[rid] = now
         return True
 
     def _look_again(self, parked: _Parked) -> bool:
@@ -234,7 +230,6 @@ class SchedulerSide:
 
     def _unpark(self, rid: str) -> None:
         parked = self._parked.pop(rid, None)
-        self._deferred_at.pop(rid, None)
         if parked is not None:
             self._count(parked_s=time.monotonic() - (parked.deadline
                                                      - self._extra["inflight_wait_s"]))
@@ -288,6 +283,8 @@ class SchedulerSide:
         state.load = (state.hit - n, n)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._step += 1
+        self._idle = not scheduler_output.total_num_scheduled_tokens
         meta = KVFSMetadata()
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
