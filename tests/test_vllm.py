@@ -210,8 +210,8 @@ def test_b_restores_a_bit_for_bit_and_answers_as_the_example_connector(work, sav
     assert ns["hit_blocks"] >= HIT_BLOCKS and ns["checksum_failures"] == 0
     storage, ex_b = oracle
     assert req["token_ids"] == ex_b["token_ids"], (req["text"], ex_b["text"])
-    kv_b, loaded = _loaded_is_a(dump, storage, spec_of(b))
     spec = spec_of(b)
+    kv_b, loaded = _loaded_is_a(dump, storage, spec)
     # ... and the bytes of kvfs's block files, read back with the client.
     with kv.KVCache.open(m.mnt, tenant="acme", spec=spec) as c:
         hashes = [bytes.fromhex(h) for h in loaded["hashes"]]

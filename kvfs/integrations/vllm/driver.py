@@ -86,6 +86,21 @@ def _wait_gate(gate: str, i: int, timeout: float = 600.0, *, ready: str = "ready
         time.sleep(0.05)
 
 
+def _result(out: Any, seconds: float, counters: dict[str, Any], after: dict[str, Any],
+            logprobs: int) -> dict[str, Any]:
+    """One request's entry of the record (``_after``: the counters after it, dropped
+    before the record is printed)."""
+    r = {"prompt_tokens": len(out.prompt_token_ids or []), "seconds": seconds,
+         "counters": counters, "_after": after, "cached_tokens": out.num_cached_tokens,
+         "prompt_token_ids": list(out.prompt_token_ids or []), "text": out.outputs[0].text,
+         "token_ids": list(out.outputs[0].token_ids)}
+    if logprobs:  # per generated token: [[token id, logprob], ...], best first
+        r["logprobs"] = [sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()),
+                                key=lambda x: -x[1])
+                         for pos in out.outputs[0].logprobs or []]
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one engine (vLLM, this process) on prompts and print a JSON record."""
     import argparse
@@ -187,13 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         after = snapshot()
         delta = {k: v - snapshot_0.get(k, 0) for k, v in after.items()
                  if v != snapshot_0.get(k, 0)}
-        for i, out in enumerate(outs):
-            results.append({"prompt_tokens": len(out.prompt_token_ids or []),
-                            "seconds": seconds, "counters": delta if i == 0 else {},
-                            "_after": after, "cached_tokens": out.num_cached_tokens,
-                            "prompt_token_ids": list(out.prompt_token_ids or []),
-                            "text": out.outputs[0].text,
-                            "token_ids": list(out.outputs[0].token_ids)})
+        results += [_result(out, seconds, delta if i == 0 else {}, after, args.logprobs)
+                    for i, out in enumerate(outs)]
     for i, path in enumerate([] if args.together else args.prompt_file):
         if args.gate and i:
             _wait_gate(args.gate, i)
@@ -209,16 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         seconds = time.perf_counter() - t0
         before, after = (results[-1]["_after"] if results else snapshot_0), snapshot()
         delta = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        results.append({"prompt_tokens": len(tokens), "seconds": seconds, "counters": delta,
-                        "_after": after,
-                        "cached_tokens": out.num_cached_tokens, "prompt_token_ids": tokens,
-                        "text": out.outputs[0].text,
-                        "token_ids": list(out.outputs[0].token_ids)})
-        if args.logprobs:  # per generated token: [[token id, logprob], ...], best first
-            results[-1]["logprobs"] = [
-                sorted(([int(t), float(lp.logprob)] for t, lp in pos.items()),
-                       key=lambda x: -x[1])
-                for pos in out.outputs[0].logprobs or []]
+        results.append(_result(out, seconds, delta, after, args.logprobs))
     for r in results:
         del r["_after"]
     record: dict[str, Any] = {"connector": args.connector, "start_s": start_s,

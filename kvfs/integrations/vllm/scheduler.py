@@ -56,7 +56,7 @@ class _Parked:
     """A request waiting for a block of its prefix that another request is computing."""
 
     block: bytes
-    deadline: float
+    since: float  # time.monotonic() when it was parked
     looked: float  # when its last lookup answered
 
 
@@ -196,8 +196,7 @@ class SchedulerSide:
     def _park(self, rid: str, state: _Request, local: int) -> bool:
         """Whether ``rid`` waits for a block of its prefix another request computes."""
         first = max(state.hit, local)
-        usable = state.asked or 0
-        if first >= usable or self._extra["inflight_wait_s"] <= 0:
+        if first >= state.asked or self._extra["inflight_wait_s"] <= 0:
             self._unpark(rid)
             return False
         block = state.hashes[first]
@@ -207,12 +206,12 @@ class SchedulerSide:
         if owner is not None and owner.planned_at is not None and owner.looked_at is None:
             owner.looked_at = now  # the step that computes it is over: its save is on its way
         if (owner is None or owner.rid == rid
-                or (parked is not None and now >= parked.deadline)
+                or (parked is not None and self._waited_out(parked, now))
                 or (owner.looked_at is not None and now > owner.looked_at + SAVE_GRACE_S)):
             self._unpark(rid)
             return False
         if parked is None:
-            self._parked[rid] = _Parked(block, now + self._extra["inflight_wait_s"], now)
+            self._parked[rid] = _Parked(block, now, now)
             self._count(parked=1)
         else:
             parked.block, parked.looked = block, now
@@ -224,15 +223,17 @@ class SchedulerSide:
         request is gone, or the wait is over."""
         now = time.monotonic()
         owner = self._computing.get(parked.block)
-        if owner is None or now >= parked.deadline:
+        if owner is None or self._waited_out(parked, now):
             return True
         return owner.planned_at is not None and now - parked.looked >= RELOOK_S
+
+    def _waited_out(self, parked: _Parked, now: float) -> bool:
+        return now - parked.since >= self._extra["inflight_wait_s"]
 
     def _unpark(self, rid: str) -> None:
         parked = self._parked.pop(rid, None)
         if parked is not None:
-            self._count(parked_s=time.monotonic() - (parked.deadline
-                                                     - self._extra["inflight_wait_s"]))
+            self._count(parked_s=time.monotonic() - parked.since)
 
     def _claim(self, rid: str, state: _Request, local: int) -> None:
         """The blocks ``rid`` will compute and save: its prompt's full blocks past its hit
@@ -320,22 +321,28 @@ class SchedulerSide:
             s = state.saved
             meta.saves.append(_Transfer(req_id, state.hashes[s:full], state.block_ids[s:full],
                                         parent=state.hashes[s - 1] if s else None))
-            now = time.monotonic()
-            for block in state.hashes[s:full]:
-                owner = self._computing.get(block)
-                if owner is not None and owner.rid == req_id and owner.planned_at is None:
-                    owner.planned_at = now
-                    self._planned.append((now, block))
-            while self._planned and now - self._planned[0][0] > FORGET_PLANNED_S:
-                _, old = self._planned.popleft()
-                done = self._computing.get(old)
-                if done is not None and done.planned_at is not None \
-                        and now - done.planned_at > FORGET_PLANNED_S:
-                    del self._computing[old]
+            self._planning(req_id, state.hashes[s:full])
             bs = self._block_size
             self.events.planned(state.hashes[s - 1] if s else None, state.hashes[s:full],
                                 state.tokens[s * bs:full * bs])
             state.saved = full
+
+    def _planning(self, rid: str, blocks: list[bytes]) -> None:
+        """``rid``'s saves of ``blocks`` go into this step: the blocks it claimed are marked
+        planned (requests waiting for them look again after this step), and those planned
+        more than FORGET_PLANNED_S ago are forgotten (a lookup finds them by now)."""
+        now = time.monotonic()
+        for block in blocks:
+            owner = self._computing.get(block)
+            if owner is not None and owner.rid == rid and owner.planned_at is None:
+                owner.planned_at = now
+                self._planned.append((now, block))
+        while self._planned and now - self._planned[0][0] > FORGET_PLANNED_S:
+            _, old = self._planned.popleft()
+            done = self._computing.get(old)  # (claimed again since: planned later, or not)
+            if (done is not None and done.planned_at is not None
+                    and now - done.planned_at > FORGET_PLANNED_S):
+                del self._computing[old]
 
     def take_events(self) -> Any:
         try:
