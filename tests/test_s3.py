@@ -238,6 +238,7 @@ def test_the_shared_tier_holds_blocks_encoded(mount_factory, s3):  # noqa: F811
                         num_layers=8, num_kv_heads=2, head_dim=64)
     a, b = mounts(mount_factory, s3)
     kv_in = torch.randn(6, *spec.block_shape).to(torch.bfloat16)
+    t0 = time.monotonic()
     with kv.KVCache.open(a.mnt, tenant="t", spec=spec) as c:
         hashes = c.block_hashes(list(range(16 * 6)))
         assert c.save(hashes, kv_in) == 6
@@ -246,6 +247,8 @@ def test_the_shared_tier_holds_blocks_encoded(mount_factory, s3):  # noqa: F811
     while a.stats()["tiers"][0]["uploads"] < 6:
         assert time.monotonic() < deadline, "the blocks never reached the bucket"
         time.sleep(0.1)
+    # The time spent publishing: some, and no more than has passed since the save began.
+    assert 0 < a.stats()["tiers"][0]["upload_seconds"] <= time.monotonic() - t0
     objs = [o for o in s3c.list_objects_v2(Bucket=s3.bucket)["Contents"]
             if spec.namespace in o["Key"]]
     assert len(objs) == 6

@@ -128,7 +128,8 @@ def main(args: Any) -> int:
     shared: list[str] = []
     if server is not None:
         shared = ["--shared", f"s3://{BUCKET}/kvfs?endpoint={server.endpoint}&region={REGION}",
-                  "--fetch-timeout", "30", "--tier-cooldown", "1"]
+                  "--fetch-timeout", "30", "--tier-cooldown", "1",
+                  *(["--no-encrypt", "--tier-codec", "none"] if args.plain_tier else [])]
     m = Mount.under(os.path.join(work, "m"), shared, env=env)
     m2: Mount | None = None
     results: dict[str, dict[str, Any]] = {}
@@ -159,7 +160,9 @@ def main(args: Any) -> int:
                                  if isinstance(ns, dict))
                 s3_note = (f"measured: {blocks} blocks uploaded through the first mount, "
                            f"{promotions} promoted from S3 by the second; lookup budget "
-                           f"{S3_BUDGET_S:g} s")
+                           f"{S3_BUDGET_S:g} s; the tier "
+                           + ("neither sealed nor encoded (--plain-tier)" if args.plain_tier
+                              else "sealed and encoded (planes), the defaults"))
                 try:
                     fastest = fastest_get(server.endpoint)
                 except Exception as exc:  # noqa: BLE001 - a failed baseline, not a lost run

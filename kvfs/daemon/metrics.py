@@ -37,7 +37,7 @@ COUNTERS: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 TIER_COUNTERS = ("hits", "misses", "timeouts", "errors", "bad_blocks", "skipped", "demotions",
                  "demotion_failures", "uploads", "upload_failures", "uploads_dropped",
-                 "fetched_bytes", "put_raw_bytes", "put_stored_bytes")
+                 "fetched_bytes", "put_raw_bytes", "put_stored_bytes", "upload_seconds")
 
 
 def families(snap: dict[str, Any]) -> Iterator[Any]:

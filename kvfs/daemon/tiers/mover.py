@@ -28,12 +28,13 @@ Each tier counts the raw and the stored bytes it was given (its ratio).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -68,6 +69,7 @@ class TierCounters:
     uploads: int = 0
     upload_failures: int = 0
     uploads_dropped: int = 0
+    upload_seconds: float = 0.0  # seconds during which at least one upload was in flight
     fetched_bytes: int = 0  # stored bytes fetched (encoded, where the tier's blocks are)
     put_raw_bytes: int = 0  # bytes of the blocks put here (demoted, uploaded), as saved
     put_stored_bytes: int = 0  # what they took here (encoded where that paid)
@@ -262,6 +264,8 @@ class Tiering:
         self._results: dict[str, Fetched | None] = {}
         self._send, self._recv = trio.open_memory_channel[tuple[str, Source, int]](
             UPLOAD_QUEUE)
+        #: Per tier: uploads in flight, and since when at least one was (upload_seconds).
+        self._uploading = [[0, 0.0] for _ in tiers]
 
     def reachable(self) -> bool:
         """Whether some tier may be asked now (its circuit is not open)."""
@@ -582,9 +586,10 @@ class Tiering:
                     await trio.sleep(breaker.cooldown / 2 + attempt)
                     continue
                 try:
-                    done, put = await self._call(i, _put, self.tiers[i], key, path,
-                                                 self.encode, self._sealer(),
-                                                 timeout=self.deadline(None) * 4)
+                    with self._publishing(i):
+                        done, put = await self._call(i, _put, self.tiers[i], key, path,
+                                                     self.encode, self._sealer(),
+                                                     timeout=self.deadline(None) * 4)
                 except FileNotFoundError:
                     break  # evicted or removed before it was uploaded: nothing to publish
                 except KeyUnavailable as exc:
@@ -609,6 +614,21 @@ class Tiering:
                 breaker.failure()
             else:
                 c.upload_failures += 1
+
+    @contextlib.contextmanager
+    def _publishing(self, i: int) -> Iterator[None]:
+        """Count the time tier ``i`` has at least one upload in flight (``upload_seconds``: the
+        bytes published over it are the publish's speed, whatever the saves around it)."""
+        busy = self._uploading[i]
+        if busy[0] == 0:
+            busy[1] = time.monotonic()
+        busy[0] += 1
+        try:
+            yield
+        finally:
+            busy[0] -= 1
+            if busy[0] == 0:
+                self.counters[i].upload_seconds += time.monotonic() - busy[1]
 
     def _count_put(self, c: TierCounters, key: str, put: tuple[bool, int, int]) -> None:
         wrote, raw, stored = put
