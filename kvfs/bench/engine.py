@@ -215,6 +215,10 @@ def main(args: Any) -> int:
         row["lookup_ms"] = round(c.get("scheduler.lookup_s", 0) * 1000, 3)
         row["load_ms"] = round(c.get("worker.load_s", 0) * 1000, 2)
         row["loaded_blocks"] = c.get("worker.loaded_blocks", 0)
+        if "kvfs_s3" in results:  # the same two phases of the request restored from S3
+            c3 = results["kvfs_s3"]["requests"][i]["counters"]
+            row["kvfs_s3_lookup_ms"] = round(c3.get("scheduler.lookup_s", 0) * 1000, 1)
+            row["kvfs_s3_load_ms"] = round(c3.get("worker.load_s", 0) * 1000, 1)
         if "example_ms" in row:
             row["kvfs_vs_example"] = round(row["kvfs_warm_ms"] / row["example_ms"], 3)
             engine_bound(row)
