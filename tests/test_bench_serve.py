@@ -67,7 +67,8 @@ def test_bench_serve_refuses_bad_arguments(tmp_path):
     for args, word in ((["--concurrency", "0"], "at least 1"),
                        (["--conditions", "alone", "kvfs_s3"], "give both"),
                        (["--workload", "mooncake", "--trace", str(tmp_path / "no")], "trace"),
-                       (["--kv-blocks", "2"], "must hold one request")):
+                       (["--kv-blocks", "2"], "must hold one request"),
+                       (["--hot-only"], "nothing to restore")):
         res = kvfs("bench", "serve", *args, "--dir", str(tmp_path), check=False)
         assert res.returncode == 2 and word in res.stderr, (args, res.stderr)
     assert not list(tmp_path.iterdir())

@@ -253,10 +253,6 @@ def main(args: Any) -> int:
     if not os.path.exists(args.python):
         print(f"kvfs bench serve: no {args.python} (run tools/setup_vllm.sh)", file=sys.stderr)
         return 2
-    if args.hot_only and "kvfs_s3" in args.conditions:
-        print("kvfs bench serve: --hot-only leaves the 2nd host nothing to restore: name "
-              "--conditions alone kvfs", file=sys.stderr)
-        return 2
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix=".kvfs-bench-serve-", dir=args.dir)
     started = time.monotonic()

@@ -153,6 +153,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if "kvfs_s3" in args.conditions and "kvfs" not in args.conditions:
         raise CliError("the kvfs_s3 condition replays what the kvfs condition's server saved: "
                        "give both", EXIT_USAGE)
+    if args.hot_only and "kvfs_s3" in args.conditions:
+        raise CliError("--hot-only mounts no shared tier, so the kvfs_s3 condition would have "
+                       "nothing to restore: give --conditions alone kvfs", EXIT_USAGE)
     if "mooncake" in args.workloads and not os.path.isfile(args.trace):
         raise CliError(f"no Mooncake trace {args.trace} (--trace)", EXIT_USAGE)
     if (args.kv_blocks - 1) * args.block_size < args.max_model_len:  # one block is vLLM's
