@@ -704,6 +704,13 @@ def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts
     figures = {r["figure"]: r for r in record["rows"]}
     row = figures["  publish sealed vs the fastest client"]
     assert "presigned PUT + urllib3" in row["baseline"] and row["ratio"] > 0
+    # The CPU each GB cost on both sides, the store's counted in: the sender's and the store's
+    # seconds were measured (a daemon and a store that spent nothing would be a broken count).
+    cpu = seal["cpu_per_gb"]
+    assert set(cpu) == {"sealed", "plain", "client"}
+    assert all(c["sender"] > 0 and c["store"] > 0 for c in cpu.values()), cpu
+    row = figures["  CPU per GB published, sealed"]
+    assert "store" in row["value"] and "the fastest client" in row["baseline"] and row["ratio"] > 0
 
 
 def test_bench_engine_holds_the_s3_restore_to_the_fastest_clients_gets(s3):  # noqa: F811

@@ -266,7 +266,30 @@ def seal_rows(sl: dict[str, Any]) -> list[tuple[str, str, str, float | None, str
          f"{sl['client_put']:.2f} GB/s (the same client)", sl[f"{k}_upload_vs_put"],
          "the bytes over the time at least one upload was in flight (the save before the "
          "first and beside the others left out)")
-        for k in ("sealed", "plain")] if sl.get("client_put") and "plain_upload" in sl else [])
+        for k in ("sealed", "plain")] if sl.get("client_put") and "plain_upload" in sl else []
+    ) + cpu_rows(sl)
+
+
+def cpu_rows(sl: dict[str, Any]) -> list[tuple[str, str, str, float | None, str]]:
+    """The publish's CPU per GB beside the fastest client's, the store's included: their
+    ratio is what the publish can reach where the two share the machine's cores."""
+    cpu = sl.get("cpu_per_gb") or {}
+    c = cpu.get("client")
+    if not c:
+        return []
+    rows = []
+    for k in ("sealed", "plain"):
+        if k not in cpu:
+            continue
+        mine = cpu[k]["sender"] + cpu[k]["store"]
+        rows.append((
+            f"  CPU per GB published, {k}",
+            f"{mine:.2f} s (daemon {cpu[k]['sender']:.2f} + store {cpu[k]['store']:.2f})",
+            f"{c['sender'] + c['store']:.2f} s (the fastest client {c['sender']:.2f} + store "
+            f"{c['store']:.2f})", (c["sender"] + c["store"]) / mine,
+            "ratio: the client's CPU per GB over kvfs's, what the publish can reach where "
+            "sender and store share the cores; the daemon's part is kvfs's"))
+    return rows
 
 
 def _ratio(x: float | None) -> str:
@@ -466,7 +489,8 @@ def main(argv: list[str] | None = None) -> int:
                 res["seal"] = bench_seal(
                     spec, work, lambda prefix: direct.replace(f"/{PREFIX}?", f"/{prefix}?"),
                     blocks=args.blocks, rounds=args.seal_rounds, payload=payload,
-                    mounts=mounts, put_client=put_client)
+                    mounts=mounts, put_client=put_client,
+                    store_pid=server.proc.pid if server.proc is not None else None)
             except (BenchError, RuntimeError, OSError) as exc:
                 res["problems"].append(f"encryption: {exc}")
                 log(f"PROBLEM: {exc}")

@@ -11,7 +11,10 @@ slower, whichever it was). The figures are the medians of the rounds and the rat
 median of the per-round ratios (sealed over plain); the target: both >= 0.9x. Each publish
 round also PUTs objects of the same size, as many, with the fastest plain client (presigned
 PUTs by urllib3 on as many threads as the daemon's uploads): what a publish is held to.
-Beside it,
+Both sides' CPU is counted over the same spans (the writer daemon's, or this process's for
+the client, and the store server's, from /proc), in seconds per GB: on a machine whose cores
+the store shares, what each GB costs is what bounds the speed, and the difference is the
+sender's own. Beside it,
 the bound of a sealed restore on this machine: the plain restore plus opening the same bytes
 on every core (:func:`open_gbps` on one, times the cores: kvfs's C cipher opens without the
 GIL, on the restore's threads; without it, on one core).
@@ -29,7 +32,7 @@ import torch
 
 from ..client import KVCache
 from ..format.hashing import ModelSpec
-from .harness import Mount, log
+from .harness import Mount, cpu_seconds, log
 from .tiers_restore import HEADER, RawURLs, Sets, request, wait_published
 
 TENANT = "t"
@@ -63,8 +66,10 @@ def open_gbps(spec: ModelSpec, n: int = 16) -> float:
 
 def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, blocks: int,
                rounds: int, payload: Callable[[ModelSpec, int, int], torch.Tensor],
-               mounts: list[Mount], put_client: RawURLs | None = None) -> dict[str, Any]:
-    """The figure: publish and restore GB/s sealed and plain, and their ratios."""
+               mounts: list[Mount], put_client: RawURLs | None = None,
+               store_pid: int | None = None) -> dict[str, Any]:
+    """The figure: publish and restore GB/s sealed and plain, and their ratios; the CPU
+    seconds per GB published of the sender and of the store (``store_pid``) on each side."""
     sealed_url, plain_url = url_of("kvfs-sealed"), url_of("kvfs-plain")
     side = {
         "sealed": (Mount.under(os.path.join(work, "w-sealed"), ["--shared", sealed_url]),
@@ -87,6 +92,13 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
     puts: list[float] = []  # the fastest client's PUT of as many objects, GB/s of payload
     put_ratios: dict[str, list[float]] = {k: [] for k in side}
     upload_ratios: dict[str, list[float]] = {k: [] for k in side}
+    # CPU seconds per GB of payload published: the sender's (daemon, or this process for the
+    # client) and the store's, by side.
+    cpu: dict[str, dict[str, list[float]]] = {k: {"sender": [], "store": []}
+                                              for k in (*side, "client")}
+
+    def store_cpu() -> float:
+        return cpu_seconds(store_pid) if store_pid is not None else 0.0
     file_bytes = HEADER + spec.block_payload_bytes
     caches = {k: (KVCache.open(w.mnt, tenant=TENANT, spec=spec, direct=True),
                   KVCache.open(r.mnt, tenant=TENANT, spec=spec, direct=True))
@@ -104,16 +116,23 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
             for k in order:
                 if k == "client":
                     objects = [os.urandom(file_bytes) for _ in range(blocks)]  # untimed
+                    c0, s0 = time.process_time(), store_cpu()
                     t = put_client.write([f"kvfs-put/{rnd}/{i}" for i in range(blocks)],
                                          objects)
+                    cpu[k]["sender"].append((time.process_time() - c0) / payload_bytes * 1e9)
+                    cpu[k]["store"].append((store_cpu() - s0) / payload_bytes * 1e9)
                     got[k] = payload_bytes / t / 1e9
                     puts.append(got[k])
                     time.sleep(0.3)
                     continue
                 busy0 = side[k][0].tier()["upload_seconds"]
+                pid = side[k][0].pid()
+                c0, s0 = cpu_seconds(pid), store_cpu()
                 t0 = time.monotonic()
                 published[k] += caches[k][0].save(hashes, kv)
                 done = wait_published(side[k][0], published[k], 600)
+                cpu[k]["sender"].append((cpu_seconds(pid) - c0) / payload_bytes * 1e9)
+                cpu[k]["store"].append((store_cpu() - s0) / payload_bytes * 1e9)
                 got[k] = payload_bytes / (done - t0) / 1e9
                 out[k]["publish_gbps"].append(got[k])
                 # The uploads alone: the bytes over the time at least one was in flight.
@@ -181,6 +200,8 @@ def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, bloc
             **{f"{k}_upload_vs_put": statistics.median(v) for k, v in upload_ratios.items()}}
            if puts else {}),
         "restore_ratio": statistics.median(ratios["restore"]),
-        "per_round": {"ratios": ratios, **out},
+        **({"cpu_per_gb": {k: {w: statistics.median(v) for w, v in c.items() if v}
+                           for k, c in cpu.items() if c["sender"]}} if store_pid else {}),
+        "per_round": {"ratios": ratios, **out, "cpu_per_gb": cpu},
     }
 

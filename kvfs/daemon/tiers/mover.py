@@ -35,15 +35,25 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
-from ...format import blockfile, codec, hashing, seal
+from ...format import blockfile, codec, seal
 from ..keys import Keyring, KeyUnavailable
 from .base import Tier, TierError
 from .breaker import Breaker, fetch_deadline
+from .transfer import (
+    Destination,
+    Fetched,
+    Handoff,
+    Sealer,
+    Source,
+    SourceError,
+    put_block,
+    verify_fetched,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,144 +97,6 @@ class TierCounters:
 
 class _Refused(Exception):
     """A call not made: its tier's circuit opened while the call waited for a thread."""
-
-
-@dataclass
-class Fetched:
-    tier: int  # 1-based index of the tier that had it
-    header: blockfile.BlockHeader
-    size: int  # of the hot copy (the block as saved)
-    moved: int = 0  # bytes fetched from the tier (its stored, maybe encoded, file)
-
-
-class _Handoff:
-    """Who owns a fetch's outcome: its thread, or the event loop that gave up waiting.
-
-    The thread places the block (renames it into its hot path) only while the fetch is still
-    wanted, and records that it did; the loop, when the deadline passes, marks the fetch
-    abandoned under the same lock and takes a block placed meanwhile as the result. So a block
-    is never left in place without the daemon knowing of it.
-    """
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.abandoned = False
-        self.result: Fetched | None = None
-
-    def place(self, tmp: str, put: Callable[[str], None], fetched: Fetched) -> Fetched | None:
-        with self.lock:
-            if self.abandoned:
-                return None
-            put(tmp)
-            self.result = fetched
-            return fetched
-
-    def abandon(self) -> Fetched | None:
-        with self.lock:
-            self.abandoned = True
-            return self.result
-
-
-class SourceError(Exception):
-    """The local copy of a block to upload or demote could not be read as one (gone, a
-    symlink or FIFO a tenant put in its place, not a block): nothing to send. Not the tier's
-    fault: no retry, and its circuit is not touched."""
-
-
-#: A block to send to a tier: a local path the daemon alone writes, or a function (run in the
-#: worker thread) that reads the block's bytes safely from the hot tier.
-Source = str | Callable[[], bytes]
-
-
-class Destination(Protocol):
-    """Where a fetched block goes when it is not a plain path (see store.Placement): its
-    name, a temporary in a directory only the daemon writes, and the final move."""
-
-    name: str
-
-    def temporary(self, tag: str) -> str: ...
-
-    def place(self, tmp: str) -> None: ...
-
-
-#: Seals a block file for a tier key (kvfs.format.seal), encoding it first where asked.
-Sealer = Callable[[str, bytes, bool], bytes]
-
-
-def _put(tier: Tier, key: str, src: Source, encode: bool,
-         sealer: Sealer | None = None) -> tuple[bool, int, int]:
-    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays),
-    seal it (``sealer``: encryption at rest) and put it: (written, raw bytes, stored bytes).
-    A block that cannot be sealed (KeyUnavailable) is not put at all."""
-    if callable(src) or encode or sealer is not None:
-        try:
-            if callable(src):
-                src = src()
-            else:
-                with open(src, "rb") as f:
-                    src = f.read()
-            raw = len(src)
-            if sealer is not None:
-                src = sealer(key, src, encode)
-            elif encode:
-                src = codec.encode_file(src) or src
-        except FileNotFoundError:
-            raise  # evicted or removed meanwhile
-        except (OSError, blockfile.BlockFormatError) as exc:
-            raise SourceError(str(exc)) from exc
-        return tier.put(key, src), raw, len(src)
-    raw = os.stat(src).st_size
-    return tier.put(key, src), raw, raw
-
-
-def _verify(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
-            decode: bool = True, keyring: Keyring | None = None,
-            keep_sealed: bool = False) -> Fetched:
-    """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
-    block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
-    an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
-    a mount whose clients save them encoded keeps them so), never a lossy one (it was saved
-    so); ``keep_sealed`` (--hot-encrypt): a sealed block, once it opens, is placed sealed.
-    Raises BlockFormatError, KeyUnavailable."""
-    with open(tmp, "rb") as f:
-        data = f.read()
-    moved = len(data)
-    rewrite = False
-    head = blockfile.decode_header(data)
-    if seal.is_sealed(head) and keep_sealed and keyring is not None:
-        tenant, ns = key.split("/", 2)[:2]
-        kid = seal.key_id_of(head)
-        assert kid is not None
-        opened = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
-        blockfile.check(blockfile.decode_header(opened),
-                        block_hash=hashing.parse_block_filename(name))
-        uid, gid, mode = owner
-        os.chown(tmp, uid, gid)
-        os.chmod(tmp, mode)
-        return Fetched(0, head, len(data), moved)
-    if seal.is_sealed(head):
-        if keyring is None:
-            raise blockfile.BlockFormatError("sealed", "an encrypted block, and this mount "
-                                             "has no keys (--no-encrypt)")
-        tenant, ns = key.split("/", 2)[:2]
-        kid = seal.key_id_of(head)
-        assert kid is not None
-        data = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
-        rewrite = True
-    hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
-    blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
-    if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
-        data = codec.raw_file(hdr, payload)
-        hdr = replace(hdr, encoding=None)
-        rewrite = True
-    if rewrite:
-        with open(tmp, "r+b") as f:
-            f.write(data)
-            f.truncate()
-    uid, gid, mode = owner
-    os.chown(tmp, uid, gid)
-    os.chmod(tmp, mode)
-    return Fetched(0, hdr, len(data), moved)
 
 
 class Tiering:
@@ -366,14 +238,14 @@ class Tiering:
                 c.skipped += 1
                 continue
             tmp = temporary(f"fetch.{time.monotonic_ns()}")
-            handoff = _Handoff()
+            handoff = Handoff()
 
-            def work(tier: Tier = tier, tmp: str = tmp, handoff: _Handoff = handoff
+            def work(tier: Tier = tier, tmp: str = tmp, handoff: Handoff = handoff
                      ) -> Fetched | None:
                 try:
                     if not tier.get(key, tmp):
                         return None
-                    fetched = _verify(tmp, name, key, owner, decode=not self.hot_encoded,
+                    fetched = verify_fetched(tmp, name, key, owner, decode=not self.hot_encoded,
                                       keyring=self.keyring, keep_sealed=self.hot_sealed)
                     return handoff.place(tmp, put, fetched)
                 finally:
@@ -540,7 +412,7 @@ class Tiering:
             c.demotion_failures += 1
             return 0
         try:
-            done, put = await self._call(i, _put, self.tiers[i], key, path, self.encode,
+            done, put = await self._call(i, put_block, self.tiers[i], key, path, self.encode,
                                          self._sealer(), timeout=self.deadline(size) * 4)
         except SourceError as exc:
             c.demotion_failures += 1
@@ -587,7 +459,7 @@ class Tiering:
                     continue
                 try:
                     with self._publishing(i):
-                        done, put = await self._call(i, _put, self.tiers[i], key, path,
+                        done, put = await self._call(i, put_block, self.tiers[i], key, path,
                                                      self.encode, self._sealer(),
                                                      timeout=self.deadline(None) * 4)
                 except FileNotFoundError:

@@ -50,6 +50,19 @@ class KVFSStats(KVConnectorStats):
         return not any(self.data.values())
 
 
+def gather_blocks(layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """The pages ``block_ids`` of every layer, as one contiguous (blocks, layers, *page)
+    tensor: each layer's pages selected straight into their place (one copy, where stacking
+    the selections would make two)."""
+    first = layers[0]
+    idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
+    kv = torch.empty((len(block_ids), len(layers), *first.shape[1:]), dtype=first.dtype,
+                     device=first.device)
+    for i, t in enumerate(layers):
+        torch.index_select(t, 0, idx, out=kv[:, i])
+    return kv
+
+
 def int8_tiles(layer: torch.Tensor, block_size: int, heads: int, dim: int) -> int:
     """How this engine's pages lay out a (token, head) row of keys and of values, as
     kvfs.format.blockfile.int8_tiles says it (int8 takes one scale per row): 0 where the page is
@@ -203,12 +216,12 @@ class WorkerSide:
                         dropped_blocks=sum(len(sv.hashes) for sv in meta.saves))
             return
         for sv in meta.saves:
-            idx = torch.tensor(sv.block_ids, dtype=torch.long, device=self._layers[0].device)
-            # A copy out of the pages (they may be reused once the step ends); the
-            # client's writer thread writes it while the engine goes on.
-            kv = torch.stack([t.index_select(0, idx) for t in self._layers], dim=1)
+            # A copy out of the pages (they may be reused once the step ends), made once,
+            # layer by layer into its place; the client's writer thread writes it while the
+            # engine goes on.
+            kv = gather_blocks(self._layers, sv.block_ids)
             try:
-                queued = self.cache.save_async(sv.hashes, kv.contiguous(), parent=sv.parent)
+                queued = self.cache.save_async(sv.hashes, kv, parent=sv.parent)
             except Exception:  # noqa: BLE001 - a lost save is a later miss
                 log.exception("kvfs save of %d blocks failed", len(sv.hashes))
                 queued = False

@@ -1,0 +1,160 @@
+"""The worker-thread side of the mover (kvfs.daemon.tiers.mover): what a tier thread does with
+a block's bytes.
+
+- `put_block`: read a block from the hot tier (through a `Source` the daemon gives), encode it
+  where that pays, seal it (encryption at rest) and put it into a tier.
+- `verify_fetched`: check a fetched temporary before it is renamed into its hot path (header,
+  size, checksums, name), opening a sealed block with its tenant's key and decoding an
+  encoded one, so that the hot tier holds blocks as they were saved.
+- `Handoff`: who owns a fetch's outcome, its thread or the event loop that gave up waiting.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+from ...format import blockfile, codec, hashing, seal
+from ..keys import Keyring
+from .base import Tier
+
+
+@dataclass
+class Fetched:
+    tier: int  # 1-based index of the tier that had it
+    header: blockfile.BlockHeader
+    size: int  # of the hot copy (the block as saved)
+    moved: int = 0  # bytes fetched from the tier (its stored, maybe encoded, file)
+
+
+class Handoff:
+    """Who owns a fetch's outcome: its thread, or the event loop that gave up waiting.
+
+    The thread places the block (renames it into its hot path) only while the fetch is still
+    wanted, and records that it did; the loop, when the deadline passes, marks the fetch
+    abandoned under the same lock and takes a block placed meanwhile as the result. So a block
+    is never left in place without the daemon knowing of it.
+    """
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.abandoned = False
+        self.result: Fetched | None = None
+
+    def place(self, tmp: str, put: Callable[[str], None], fetched: Fetched) -> Fetched | None:
+        with self.lock:
+            if self.abandoned:
+                return None
+            put(tmp)
+            self.result = fetched
+            return fetched
+
+    def abandon(self) -> Fetched | None:
+        with self.lock:
+            self.abandoned = True
+            return self.result
+
+
+class SourceError(Exception):
+    """The local copy of a block to upload or demote could not be read as one (gone, a
+    symlink or FIFO a tenant put in its place, not a block): nothing to send. Not the tier's
+    fault: no retry, and its circuit is not touched."""
+
+
+#: A block to send to a tier: a local path the daemon alone writes, or a function (run in the
+#: worker thread) that reads the block's bytes safely from the hot tier.
+Source = str | Callable[[], bytes]
+
+
+class Destination(Protocol):
+    """Where a fetched block goes when it is not a plain path (see store.Placement): its
+    name, a temporary in a directory only the daemon writes, and the final move."""
+
+    name: str
+
+    def temporary(self, tag: str) -> str: ...
+
+    def place(self, tmp: str) -> None: ...
+
+
+#: Seals a block file for a tier key (kvfs.format.seal), encoding it first where asked.
+Sealer = Callable[[str, bytes, bool], bytes]
+
+
+def put_block(tier: Tier, key: str, src: Source, encode: bool,
+         sealer: Sealer | None = None) -> tuple[bool, int, int]:
+    """Thread: read the source (if it is a reader), encode it (``encode``, where that pays),
+    seal it (``sealer``: encryption at rest) and put it: (written, raw bytes, stored bytes).
+    A block that cannot be sealed (KeyUnavailable) is not put at all."""
+    if callable(src) or encode or sealer is not None:
+        try:
+            if callable(src):
+                src = src()
+            else:
+                with open(src, "rb") as f:
+                    src = f.read()
+            raw = len(src)
+            if sealer is not None:
+                src = sealer(key, src, encode)
+            elif encode:
+                src = codec.encode_file(src) or src
+        except FileNotFoundError:
+            raise  # evicted or removed meanwhile
+        except (OSError, blockfile.BlockFormatError) as exc:
+            raise SourceError(str(exc)) from exc
+        return tier.put(key, src), raw, len(src)
+    raw = os.stat(src).st_size
+    return tier.put(key, src), raw, raw
+
+
+def verify_fetched(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
+            decode: bool = True, keyring: Keyring | None = None,
+            keep_sealed: bool = False) -> Fetched:
+    """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
+    block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
+    an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
+    a mount whose clients save them encoded keeps them so), never a lossy one (it was saved
+    so); ``keep_sealed`` (--hot-encrypt): a sealed block, once it opens, is placed sealed.
+    Raises BlockFormatError, KeyUnavailable."""
+    with open(tmp, "rb") as f:
+        data = f.read()
+    moved = len(data)
+    rewrite = False
+    head = blockfile.decode_header(data)
+    if seal.is_sealed(head) and keep_sealed and keyring is not None:
+        tenant, ns = key.split("/", 2)[:2]
+        kid = seal.key_id_of(head)
+        assert kid is not None
+        opened = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
+        blockfile.check(blockfile.decode_header(opened),
+                        block_hash=hashing.parse_block_filename(name))
+        uid, gid, mode = owner
+        os.chown(tmp, uid, gid)
+        os.chmod(tmp, mode)
+        return Fetched(0, head, len(data), moved)
+    if seal.is_sealed(head):
+        if keyring is None:
+            raise blockfile.BlockFormatError("sealed", "an encrypted block, and this mount "
+                                             "has no keys (--no-encrypt)")
+        tenant, ns = key.split("/", 2)[:2]
+        kid = seal.key_id_of(head)
+        assert kid is not None
+        data = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
+        rewrite = True
+    hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
+    blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
+    if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
+        data = codec.raw_file(hdr, payload)
+        hdr = replace(hdr, encoding=None)
+        rewrite = True
+    if rewrite:
+        with open(tmp, "r+b") as f:
+            f.write(data)
+            f.truncate()
+    uid, gid, mode = owner
+    os.chown(tmp, uid, gid)
+    os.chmod(tmp, mode)
+    return Fetched(0, hdr, len(data), moved)
