@@ -490,7 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                     spec, work, lambda prefix: direct.replace(f"/{PREFIX}?", f"/{prefix}?"),
                     blocks=args.blocks, rounds=args.seal_rounds, payload=payload,
                     mounts=mounts, put_client=put_client,
-                    store_pid=server.proc.pid if server.proc is not None else None)
+                    store_pid=server.proc.pid if server.proc is not None else None,
+                    extra=["--tier-codec", args.tier_codec])
             except (BenchError, RuntimeError, OSError) as exc:
                 res["problems"].append(f"encryption: {exc}")
                 log(f"PROBLEM: {exc}")

@@ -67,17 +67,19 @@ def open_gbps(spec: ModelSpec, n: int = 16) -> float:
 def bench_seal(spec: ModelSpec, work: str, url_of: Callable[[str], str], *, blocks: int,
                rounds: int, payload: Callable[[ModelSpec, int, int], torch.Tensor],
                mounts: list[Mount], put_client: RawURLs | None = None,
-               store_pid: int | None = None) -> dict[str, Any]:
+               store_pid: int | None = None, extra: list[str] | None = None) -> dict[str, Any]:
     """The figure: publish and restore GB/s sealed and plain, and their ratios; the CPU
-    seconds per GB published of the sender and of the store (``store_pid``) on each side."""
+    seconds per GB published of the sender and of the store (``store_pid``) on each side.
+    ``extra``: more arguments for every mount (the bench's ``--tier-codec``)."""
     sealed_url, plain_url = url_of("kvfs-sealed"), url_of("kvfs-plain")
+    more = list(extra or [])
     side = {
-        "sealed": (Mount.under(os.path.join(work, "w-sealed"), ["--shared", sealed_url]),
-                   Mount.under(os.path.join(work, "r-sealed"), ["--shared", sealed_url])),
+        "sealed": (Mount.under(os.path.join(work, "w-sealed"), ["--shared", sealed_url, *more]),
+                   Mount.under(os.path.join(work, "r-sealed"), ["--shared", sealed_url, *more])),
         "plain": (Mount.under(os.path.join(work, "w-plain"), ["--shared", plain_url,
-                                                              "--no-encrypt"]),
+                                                              "--no-encrypt", *more]),
                   Mount.under(os.path.join(work, "r-plain"), ["--shared", plain_url,
-                                                              "--no-encrypt"])),
+                                                              "--no-encrypt", *more])),
     }
     for w, r in side.values():
         for m in (w, r):
