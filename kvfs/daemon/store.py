@@ -383,22 +383,33 @@ class BackingStore:
         head, st = self.head(rel, length)
         return head, st.st_size
 
-    def read_block_fd(self, fd: int, size: int) -> bytes:
+    def read_block_fd(self, fd: int, size: int) -> bytearray:
         """A whole block file from an fd, bounded by its header's length and its size: a
         header that promises more than the file holds (or a file larger than its header
-        says) is a BlockFormatError before anything more is read."""
+        says) is a BlockFormatError before anything more is read. Read into one buffer (the
+        one copy out of the page cache), which an upload may seal in place."""
         head = self._pread_all(fd, min(blockfile.HEADER_SIZE, size))
         hdr = blockfile.check_head(head, size)
-        return head + self._pread_all(fd, hdr.file_size - len(head), len(head))
+        buf = bytearray(hdr.file_size)
+        buf[:len(head)] = head
+        done, view = len(head), memoryview(buf)
+        while done < len(buf):
+            n = os.preadv(fd, [view[done:]], done)
+            if not n:
+                del view
+                del buf[done:]  # the file shrank meanwhile: short, as read
+                break
+            done += n
+        return buf
 
-    def read_block(self, rel: bytes) -> bytes:
+    def read_block(self, rel: bytes) -> bytearray:
         fd, st = self.open_node(rel, os.O_RDONLY)
         try:
             return self.read_block_fd(fd, st.st_size)
         finally:
             os.close(fd)
 
-    def read_block_at(self, dirfd: int, name: bytes) -> bytes:
+    def read_block_at(self, dirfd: int, name: bytes) -> bytearray:
         fd, st = self.open_at(dirfd, name, os.O_RDONLY)
         try:
             return self.read_block_fd(fd, st.st_size)

@@ -535,7 +535,7 @@ class Tree:
         namespace's, the block's), never anything read from the backing tree."""
         return rel.decode(errors="surrogateescape")
 
-    def block_source(self, rel: bytes) -> Callable[[], bytes]:
+    def block_source(self, rel: bytes) -> Callable[[], bytes | bytearray]:
         """What an upload or demotion reads: the block's bytes from a verified fd of the
         hot copy, bounded by its header (never another file through a tenant's link)."""
         return functools.partial(self.store.read_block, rel)

@@ -116,9 +116,10 @@ def is_sealed(h: BlockHeader) -> bool:
 
 
 def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: str,
-               namespace: str) -> tuple[BlockHeader, memoryview]:
+               namespace: str, *, in_place: bool = False) -> tuple[BlockHeader, memoryview]:
     """Seal block ``h`` whose stored bytes are ``stored`` (the payload of a raw block, or a
-    codec's stored bytes of an encoded one): its sealed header and ciphertext."""
+    codec's stored bytes of an encoded one): its sealed header and ciphertext, in a copy, or
+    (``in_place``) where ``stored`` lies (a writable buffer)."""
     enc = h.encoding
     if enc is None:
         enc = Encoding(blockfile.CODEC_NONE, blockfile.DTYPE_SIZES[h.dtype], 1, h.payload_len,
@@ -129,7 +130,8 @@ def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: 
     draft = replace(h, encoding=replace(enc, stored_checksum=0,
                                         seal=Seal(key_id, nonce, bytes(TAG_BYTES))))
     aad = associated_data(blockfile.encode_header(draft), tenant, namespace)
-    ct = bytearray(memoryview(stored).cast("B"))  # the caller's bytes stay as they are
+    ct = (memoryview(stored).cast("B") if in_place
+          else bytearray(memoryview(stored).cast("B")))  # (the caller's bytes stay as they are)
     enc_ = cipher(block_key(ns_key, h.block_hash), nonce, aad, decrypt=False)
     enc_.update(ct)
     tag = enc_.finish()
@@ -138,9 +140,12 @@ def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: 
 
 
 def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str, *,
-              encode: bool = True) -> bytes:
+              encode: bool = True) -> bytes | bytearray:
     """A sound block file (checked here) sealed: encoded first with planes where ``encode``
-    and that pays (an encoded block keeps its codec). Raises BlockFormatError."""
+    and that pays (an encoded block keeps its codec). A raw block in a bytearray that stays
+    raw is sealed where it lies (the sealed file has the raw one's layout: the ciphertext
+    over the payload, the sealed header over the header) and returned: no copy of its
+    bytes. Raises BlockFormatError."""
     mv = memoryview(data).cast("B")
     h, payload = blockfile.decode(mv)  # every check (an encoded one decoded too)
     stored: Any = payload
@@ -148,6 +153,11 @@ def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str
         stored = mv[HEADER_SIZE:HEADER_SIZE + h.stored_len]
     elif encode and (got := codec.encode_block(h, payload)) is not None:
         h, stored = got
+    elif isinstance(data, bytearray) and len(data) == h.file_size:
+        sh, _ = seal_block(h, mv[HEADER_SIZE:HEADER_SIZE + h.payload_len], ns_key, key_id,
+                           tenant, namespace, in_place=True)
+        mv[:HEADER_SIZE] = blockfile.encode_header(sh)
+        return data
     sh, ct = seal_block(h, stored, ns_key, key_id, tenant, namespace)
     return b"".join(codec.file_parts(sh, ct))
 

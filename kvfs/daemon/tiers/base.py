@@ -71,7 +71,7 @@ class Tier(ABC):
     shared = False
 
     @abstractmethod
-    def put(self, key: str, src: str | bytes) -> bool:
+    def put(self, key: str, src: str | bytes | bytearray) -> bool:
         """Store the file at local path `src` (or the bytes `src`) under `key`, atomically.
         Idempotent: False (and nothing written) if the key already exists, True if this call
         wrote it."""

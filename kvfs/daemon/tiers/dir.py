@@ -65,17 +65,17 @@ class DirTier(Tier):
     def _error(self, op: str, key: str, exc: BaseException) -> TierError:
         return TierError(self.name, op, key, exc)
 
-    def put(self, key: str, src: str | bytes) -> bool:
+    def put(self, key: str, src: str | bytes | bytearray) -> bool:
         dest = self._path(key)
         if os.path.lexists(dest):
             return False
         tmp = None
         try:
             _makedirs(os.path.dirname(dest), self.root)
-            with contextlib.nullcontext(src) if isinstance(src, bytes) else open(src, "rb") as f:
+            with contextlib.nullcontext(src) if not isinstance(src, str) else open(src, "rb") as f:
                 tmp, fd = temp_beside(dest)
                 try:
-                    if isinstance(f, bytes):
+                    if isinstance(f, bytes | bytearray):
                         _write_all(fd, f)
                     else:
                         _copy_fd(f.fileno(), fd)

@@ -162,7 +162,7 @@ class Tiering:
         if keyring is None:
             return None
 
-        def sealer(key: str, data: bytes, encode: bool) -> bytes:
+        def sealer(key: str, data: bytes | bytearray, encode: bool) -> bytes | bytearray:
             tenant, ns = key.split("/", 2)[:2]
             if seal.is_sealed(blockfile.decode_header(data)):
                 return data

@@ -127,7 +127,7 @@ class S3Tier(Tier):
 
     # -- the Tier API ---------------------------------------------------------------------
 
-    def put(self, key: str, src: str | bytes) -> bool:
+    def put(self, key: str, src: str | bytes | bytearray) -> bool:
         """HEAD, then a conditional PUT (`If-None-Match: *`). The HEAD saves uploading a block
         that is already there (the common case when many hosts publish the same prefix); the
         condition makes the store itself refuse a key that appeared since (412), so concurrent
@@ -144,7 +144,7 @@ class S3Tier(Tier):
         for _ in range(3):
             conditional = self._conditional
             try:
-                with (contextlib.nullcontext(src) if isinstance(src, bytes)
+                with (contextlib.nullcontext(src) if not isinstance(src, str)
                       else open(src, "rb")) as f:
                     kw = {"IfNoneMatch": "*"} if conditional else {}
                     self._client.put_object(Bucket=self.bucket, Key=full, Body=f, **kw)
@@ -171,7 +171,7 @@ class S3Tier(Tier):
                 raise self._error("put", key, exc) from exc
         return False
 
-    def _put_presigned(self, key: str, src: str | bytes) -> bool | None:
+    def _put_presigned(self, key: str, src: str | bytes | bytearray) -> bool | None:
         """The PUT as a presigned URL sent with http.client on this thread's connection (on
         the same objects the fastest client's PUT, ``kvfs bench s3clients``; boto3's spends
         twice the CPU: payload hashing, a CRC, 100-continue). None where there are no
@@ -180,7 +180,7 @@ class S3Tier(Tier):
         if url is None:
             return None
         u = urlsplit(url)
-        body = src if isinstance(src, bytes) else None
+        body = None if isinstance(src, str) else src
         for attempt in range(2 * self._max_attempts + 1):
             if body is None:
                 with open(src, "rb") as f:  # a path the daemon alone writes (staging)

@@ -66,7 +66,7 @@ class SourceError(Exception):
 
 #: A block to send to a tier: a local path the daemon alone writes, or a function (run in the
 #: worker thread) that reads the block's bytes safely from the hot tier.
-Source = str | Callable[[], bytes]
+Source = str | Callable[[], bytes | bytearray]
 
 
 class Destination(Protocol):
@@ -81,11 +81,11 @@ class Destination(Protocol):
 
 
 #: Seals a block file for a tier key (kvfs.format.seal), encoding it first where asked.
-Sealer = Callable[[str, bytes, bool], bytes]
+Sealer = Callable[[str, bytes | bytearray, bool], bytes | bytearray]
 
 
 def put_block(tier: Tier, key: str, src: Source, encode: bool,
-         sealer: Sealer | None = None) -> tuple[bool, int, int]:
+              sealer: Sealer | None = None) -> tuple[bool, int, int]:
     """Thread: read the source (if it is a reader), encode it (``encode``, where that pays),
     seal it (``sealer``: encryption at rest) and put it: (written, raw bytes, stored bytes).
     A block that cannot be sealed (KeyUnavailable) is not put at all."""
@@ -111,8 +111,8 @@ def put_block(tier: Tier, key: str, src: Source, encode: bool,
 
 
 def verify_fetched(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
-            decode: bool = True, keyring: Keyring | None = None,
-            keep_sealed: bool = False) -> Fetched:
+                   decode: bool = True, keyring: Keyring | None = None,
+                   keep_sealed: bool = False) -> Fetched:
     """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
     block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
     an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
