@@ -536,6 +536,41 @@ def test_full_cache_raises(mount_factory):
             assert os.path.exists(os.path.join(c.ns_dir, hashing.block_relpath(h)))
 
 
+def test_a_large_save_is_published_in_parts_as_it_is_written(mount_factory, monkeypatch):
+    """A direct save of more than PUBLISH_EVERY bytes is published in parts, each once its
+    blocks are written (the daemon's write-through begins while the rest is written), every
+    block published in the end; a save larger than the capacity is still one command,
+    refused whole: nothing of it kept."""
+    from kvfs.client import save as saving
+
+    file_bytes = 4096 + blockfile.padded_size(SPEC.block_payload_bytes)  # 8 KiB
+    monkeypatch.setattr(saving, "PUBLISH_EVERY", 2 * file_bytes)
+    batches: list[int] = []
+    real = saving.Saving._publish
+
+    def publish(self, batch, *, fetched):
+        batches.append(len(batch))
+        return real(self, batch, fetched=fetched)
+
+    monkeypatch.setattr(saving.Saving, "_publish", publish)
+    mount = mount_factory(extra=["--capacity", "48K"])
+    kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")
+    with KVCache.open(mount.mnt, tenant="acme", spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(5))  # 40 KiB: fits
+        assert c.save(hashes, kv_of(hashes)) == 5
+        assert batches == [2, 2, 1]
+        assert c.lookup(hashes) == 5
+        out = empty(5)
+        assert c.load(hashes, out) == 5 and torch.equal(out, kv_of(hashes))
+        batches.clear()
+        more = c.block_hashes(tokens(8, start=100))  # 64 KiB: more than the capacity
+        with pytest.raises(CacheFull):
+            c.save(more, kv_of(more))
+        assert batches == [8]
+        assert not any(os.path.exists(c.path(h)) for h in more)
+        assert c.lookup(hashes) == 5  # (nothing of the first evicted for a refused save)
+
+
 def test_blocks_that_fit_are_what_the_capacity_and_the_quota_hold(mount_factory):
     mount = mount_factory(extra=["--capacity", "20K"])
     kvfs_cli("tenant", "add", str(mount.mnt), "acme", "--uid", "0", "--gid", "0")

@@ -125,10 +125,19 @@ def s3_key(spec: ModelSpec, h: bytes) -> str:
     return f"{PREFIX}/{TENANT}/{spec.namespace}/{block_relpath(h)}"
 
 
-def wait_published(m: Mount, expected: int, timeout: float) -> float:
-    """Wait until write-through has handled ``expected`` blocks; returns when it had."""
+def wait_published(m: Mount, expected: int, timeout: float,
+                   polls: list[int] | None = None) -> float:
+    """Wait until write-through has handled ``expected`` blocks; returns when it had.
+    ``polls``: the number of times the daemon's stats were read is appended to it (each costs
+    the daemon some CPU)."""
     deadline = time.monotonic() + timeout
+    n = 0
     while True:
+        n += 1
+        if polls is not None and n == 1:
+            polls.append(0)
+        if polls is not None:
+            polls[-1] = n
         t = m.tier()
         handled = t["uploads"] + t["upload_failures"] + t["uploads_dropped"]
         if handled >= expected:

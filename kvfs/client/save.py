@@ -56,6 +56,12 @@ _TEMP = os.fsdecode(TEMP_PREFIX)
 _ZEROS = memoryview(bytes(blockfile.ALIGN))
 #: Seconds :meth:`Saving.blocks_that_fit` keeps what the mount said of its limits.
 ROOM_TTL = 1.0
+#: A direct save publishes what it has written each time this many bytes are ready (and at
+#: its end), so that the daemon's write-through uploads begin while the rest is written. A
+#: part refused where the room is held by pinned blocks or other tenants' fair shares leaves
+#: the parts before it kept (a prefix of the chain); a save larger than the mount's limits is
+#: published in one command, refused whole.
+PUBLISH_EVERY = 16 << 20
 
 
 def _expected(csum: int, expect: int | None, path: str) -> None:
@@ -176,30 +182,49 @@ class Saving(Layouts):
                    for i in todo]
         written: list[bytes] = []
         errors: list[BaseException] = []
-        size = 0
-        for i, fut in futures:
+        size = ready = 0  # bytes written; of them, not yet published
+        start = 0  # written[start:] are not yet published
+        refused: OSError | None = None
+        # In parts only where the whole save fits the mount's limits: one that cannot is
+        # refused whole (nothing kept), as one command refuses it.
+        block_bytes = blockfile.HEADER_SIZE + blockfile.padded_size(self.spec.block_payload_bytes)
+        every = (PUBLISH_EVERY if self.direct and len(todo) * block_bytes > PUBLISH_EVERY
+                 and self.blocks_that_fit(len(todo)) >= len(todo) else 1 << 62)
+        for n, (i, fut) in enumerate(futures, 1):
             try:
-                size += fut.result()
+                got = fut.result()
+                size += got
+                ready += got
                 written.append(hashes[i])
             except Exception as exc:  # noqa: BLE001 - publish what was written, then raise
                 errors.append(exc)
+            # Published as it is written (the write-through below begins meanwhile), in
+            # batches of PUBLISH_EVERY bytes, and what is left at the end.
+            if (self.direct and len(written) > start
+                    and (ready >= every or len(written) - start >= control.MAX_HASHES
+                         or n == len(futures))):
+                try:
+                    self._publish(written[start:], fetched=expects is not None)
+                except OSError as exc:  # the next batches are published still: the daemon
+                    refused = refused or exc  # keeps or removes each, as it did this one's
+                start, ready = len(written), 0
         self._count(saved_blocks=len(written), present_blocks=len(hashes) - len(todo),
                     written_bytes=size)
-        if self.direct:
-            m = control.MAX_HASHES
-            for k in range(0, len(written), m):
-                batch = written[k:k + m]
-                try:
-                    self._channel.command(control.PUBLISH, control.pack_publish(
-                        batch, fetched=expects is not None))
-                except OSError as exc:
-                    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-                        raise CacheFull(exc.errno, "kvfs refused blocks: the cache is full "
-                                        "(the refused files were removed)", self.ns_dir) from None
-                    raise
+        if refused is not None:
+            if refused.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise CacheFull(refused.errno, "kvfs refused blocks: the cache is full "
+                                "(the refused files were removed)", self.ns_dir) from None
+            raise refused
         if errors:
             raise errors[0]
         return len(written)
+
+    def _publish(self, batch: list[bytes], *, fetched: bool) -> None:
+        """One PUBLISH command per :data:`kvfs.format.control.MAX_HASHES` blocks."""
+        m = control.MAX_HASHES
+        for k in range(0, len(batch), m):
+            self._channel.command(control.PUBLISH, control.pack_publish(
+                batch[k:k + m], fetched=fetched))
 
     def _write_block(self, h: bytes, parent: bytes, parts: list[torch.Tensor],
                      sums: tuple[int, int, int] | None = None, expect: int | None = None
