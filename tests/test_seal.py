@@ -72,7 +72,9 @@ def test_a_raw_block_in_a_bytearray_is_sealed_where_it_lies(ciphers):
     the block as a copied seal does. A bytes block is sealed into new memory, left as it was."""
     raw = raw_block()
     buf = bytearray(raw)
-    sealed = seal.seal_file(buf, NK, 9, "acme", "m@0123", encode=False)
+    assert seal.seal_file(buf, NK, 9, "acme", "m@0123", encode=False) is not buf
+    assert buf == raw  # (in place only where asked)
+    sealed = seal.seal_file(buf, NK, 9, "acme", "m@0123", encode=False, in_place=True)
     assert sealed is buf and len(buf) == len(raw) and PATTERN not in buf
     assert seal.is_sealed(blockfile.decode_header(buf))
     assert seal.open_file(bytes(buf), NK, "acme", "m@0123") == raw
@@ -84,7 +86,7 @@ def test_a_raw_block_in_a_bytearray_is_sealed_where_it_lies(ciphers):
     enc = codec.encode_file(raw)
     if enc is not None:
         ebuf = bytearray(enc)
-        out = seal.seal_file(ebuf, NK, 9, "acme", "m@0123")
+        out = seal.seal_file(ebuf, NK, 9, "acme", "m@0123", in_place=True)
         assert out is not ebuf and ebuf == enc
         assert codec.decode_file(seal.open_file(out, NK, "acme", "m@0123")) == raw
 

@@ -156,8 +156,8 @@ def test_a_fetch_past_its_deadline_never_leaves_a_block_behind(tmp_path):
     from kvfs.daemon.tiers.mover import Tiering
 
     class LateTier(DirTier):
-        def get(self, key, dest):
-            found = super().get(key, dest)
+        def read(self, key, limit):
+            found = super().read(key, limit)
             time.sleep(0.4)
             return found
 
@@ -194,10 +194,10 @@ def test_concurrent_fetches_of_one_block_share_one_fetch(tmp_path):
     calls = []
 
     class CountingTier(DirTier):
-        def get(self, key, dest):
+        def read(self, key, limit):
             calls.append(key)
             time.sleep(0.2)
-            return super().get(key, dest)
+            return super().read(key, limit)
 
     h, data = block(3)
     key = f"t/ns/{hashing.block_relpath(h)}"
@@ -238,10 +238,10 @@ def test_a_dead_tier_costs_one_deadline_not_one_per_batch(tmp_path):
     calls = []
 
     class DeadTier(DirTier):
-        def get(self, key, dest):
+        def read(self, key, limit):
             calls.append(key)
             release.wait(10)
-            return False
+            return None
 
     hot = tmp_path / "hot"
     hot.mkdir()

@@ -73,6 +73,11 @@ def test_round_trip(tier: Tier, tmp_path: Path) -> None:
         assert dest.read_bytes() == src.read_bytes()
         h, _ = blockfile.decode(dest.read_bytes())
         assert key.endswith(h.block_hash.hex() + ".kv")
+        # Into memory (a fetch): the same bytes, in one buffer; over its limit, refused.
+        got = tier.read(key, 1 << 30)
+        assert isinstance(got, bytearray) and got == src.read_bytes()
+        with pytest.raises(TierError):
+            tier.read(key, src.stat().st_size - 1)
     listed = dict(tier.list())
     assert listed == {k: s.stat().st_size for k, s in keys.items()}
     assert dict(tier.list(NS + "/")) == listed
@@ -92,6 +97,7 @@ def test_absent_key(tier: Tier, tmp_path: Path) -> None:
     assert tier.get(f"{NS}/00/{'0' * 32}.kv", str(dest)) is False
     assert not dest.exists()
     assert tier.size(f"{NS}/00/{'0' * 32}.kv") is None
+    assert tier.read(f"{NS}/00/{'0' * 32}.kv", 1 << 30) is None
     tier.delete(f"{NS}/00/{'0' * 32}.kv")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvfs-tmp.")] == []
 
@@ -219,6 +225,7 @@ def test_s3_store_down_fails_fast_and_recovers(s3, tmp_path: Path) -> None:
 
     s3.stop()
     fails_fast("get (down)", tier.get, key, str(tmp_path / "dest"))
+    fails_fast("read (down)", tier.read, key, 1 << 30)
     fails_fast("put (down)", tier.put, other, str(tmp_path / "src2"))
     fails_fast("exists (down)", tier.exists, key)
     fails_fast("list (down)", lambda: list(tier.list()))
@@ -226,8 +233,10 @@ def test_s3_store_down_fails_fast_and_recovers(s3, tmp_path: Path) -> None:
     assert tier.get(key, str(tmp_path / "dest"))
     assert (tmp_path / "dest").read_bytes() == (tmp_path / "src").read_bytes()
     # Accepting connections but never answering: the read timeout ends each call.
+    assert tier.read(key, 1 << 30) == (tmp_path / "src").read_bytes()
     s3.freeze()
     fails_fast("get (frozen)", tier.get, key, str(tmp_path / "dest2"))
+    fails_fast("read (frozen)", tier.read, key, 1 << 30)
     fails_fast("put (frozen)", tier.put, other, str(tmp_path / "src2"))
     s3.thaw()
     assert not (tmp_path / "dest2").exists()
@@ -289,6 +298,8 @@ def test_s3_bad_credentials(s3, tmp_path: Path, monkeypatch) -> None:
         tier.put(key, str(tmp_path / "src"))
     with pytest.raises(TierError):
         tier.get(key, str(tmp_path / "dest"))
+    with pytest.raises(TierError, match="403"):
+        tier.read(key, 1 << 30)  # refused, never a miss
 
 
 def test_s3_create_bucket(s3, tmp_path: Path) -> None:

@@ -140,12 +140,12 @@ def seal_block(h: BlockHeader, stored: Any, ns_key: bytes, key_id: int, tenant: 
 
 
 def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str, *,
-              encode: bool = True) -> bytes | bytearray:
+              encode: bool = True, in_place: bool = False) -> bytes | bytearray:
     """A sound block file (checked here) sealed: encoded first with planes where ``encode``
-    and that pays (an encoded block keeps its codec). A raw block in a bytearray that stays
-    raw is sealed where it lies (the sealed file has the raw one's layout: the ciphertext
-    over the payload, the sealed header over the header) and returned: no copy of its
-    bytes. Raises BlockFormatError."""
+    and that pays (an encoded block keeps its codec). With ``in_place``, a raw block in a
+    bytearray that stays raw is sealed where it lies (the sealed file has the raw one's
+    layout: the ciphertext over the payload, the sealed header over the header) and
+    returned: no copy of its bytes. Raises BlockFormatError."""
     mv = memoryview(data).cast("B")
     h, payload = blockfile.decode(mv)  # every check (an encoded one decoded too)
     stored: Any = payload
@@ -153,7 +153,7 @@ def seal_file(data: Any, ns_key: bytes, key_id: int, tenant: str, namespace: str
         stored = mv[HEADER_SIZE:HEADER_SIZE + h.stored_len]
     elif encode and (got := codec.encode_block(h, payload)) is not None:
         h, stored = got
-    elif isinstance(data, bytearray) and len(data) == h.file_size:
+    elif in_place and isinstance(data, bytearray) and len(data) == h.file_size:
         sh, _ = seal_block(h, mv[HEADER_SIZE:HEADER_SIZE + h.payload_len], ns_key, key_id,
                            tenant, namespace, in_place=True)
         mv[:HEADER_SIZE] = blockfile.encode_header(sh)
@@ -256,14 +256,25 @@ class Opener:
         return replace(self.h, encoding=None)
 
 
-def open_file(data: Any, ns_key: bytes, tenant: str, namespace: str) -> bytes:
+def open_file(data: Any, ns_key: bytes, tenant: str, namespace: str, *,
+              in_place: bool = False) -> bytes | bytearray:
     """A sealed block file opened: the file it sealed (a raw block's, or its codec's version 3
-    file), every check made. Raises BlockFormatError."""
+    file), every check made. With ``in_place``, a sealed raw block in a bytearray is opened
+    where it lies (the raw file has the sealed one's layout) and returned: no copy (and on a
+    failure, nothing of it left to use). Raises BlockFormatError."""
     mv = memoryview(data).cast("B")
     h = blockfile.decode_header(mv)
     blockfile.verify_file_size(h, mv.nbytes)
     if not is_sealed(h):
         raise ValueError("not a sealed block")
+    assert h.encoding is not None
+    if in_place and isinstance(data, bytearray) and h.encoding.codec == blockfile.CODEC_NONE:
+        blockfile.verify_padding(h, mv[HEADER_SIZE + h.stored_len:])
+        opened = open_in_place(h, mv[HEADER_SIZE:HEADER_SIZE + h.stored_len], ns_key, tenant,
+                               namespace, check_stored=True)
+        mv[:HEADER_SIZE] = blockfile.encode_header(opened)
+        blockfile.decode(mv)  # the opened block's own checks
+        return data
     stored = bytearray(mv[HEADER_SIZE:HEADER_SIZE + h.stored_len])
     blockfile.verify_padding(h, mv[HEADER_SIZE + h.stored_len:])
     opened = open_in_place(h, stored, ns_key, tenant, namespace, check_stored=True)

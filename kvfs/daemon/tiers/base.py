@@ -81,6 +81,22 @@ class Tier(ABC):
         """Fetch `key` into local path `dest` (a temporary beside it, then a rename); False if
         the key is absent."""
 
+    def read(self, key: str, limit: int) -> bytearray | None:
+        """`key`'s bytes in memory, None if the key is absent; an object larger than `limit`
+        is a TierError, read no further. This default goes through `get` (a temporary file);
+        the directory and S3 tiers read straight into the buffer."""
+        import tempfile  # noqa: PLC0415
+
+        with tempfile.TemporaryDirectory(prefix=TEMP_PREFIX.decode()) as d:
+            dest = os.path.join(d, "object")
+            if not self.get(key, dest):
+                return None
+            with open(dest, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > limit:
+                    raise TierError(self.name, "get", key, f"{size} bytes, over {limit}")
+                return bytearray(f.read())
+
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 

@@ -117,6 +117,31 @@ class DirTier(Tier):
             if tmp is not None:
                 unlink_quietly(tmp)
 
+    def read(self, key: str, limit: int) -> bytearray | None:
+        """The file's bytes, read into one buffer (the one copy out of the page cache)."""
+        try:
+            try:
+                fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                return None
+            try:
+                size = os.fstat(fd).st_size
+                if size > limit:
+                    raise TierError(self.name, "get", key, f"{size} bytes, over {limit}")
+                buf = bytearray(size)
+                view, done = memoryview(buf), 0
+                while done < size:
+                    n = os.preadv(fd, [view[done:]], done)
+                    if not n:
+                        raise TierError(self.name, "get", key, f"short: {done} of {size} bytes")
+                    done += n
+                del view
+                return buf
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise self._error("get", key, exc) from exc
+
     def open_block(self, key: str) -> tuple[int, int] | None:
         try:
             fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)

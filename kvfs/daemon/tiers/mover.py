@@ -6,9 +6,10 @@ module's
 (`kvfs.daemon.tiers.breaker`) and one fetch per key at a time:
 
 - `fetch(key, rel)`: a hot miss looks in each lower tier in order. The first that has the
-  block delivers it into a temporary in a directory only the daemon writes (the backing
-  tree's staging directory); the bytes are verified (header, size, checksum, name) before
-  the temporary is renamed into its verified hot directory (`store.Placement`). A tier past
+  block gives its bytes into memory (`Tier.read`), where they are verified (header, size,
+  checksum, name; a sealed block opened in place) before they are written once into a
+  temporary in a directory only the daemon writes (the backing tree's staging directory),
+  which is renamed into its verified hot directory (`store.Placement`). A tier past
   its deadline or failing is a miss (counted); its breaker opens after repeated failures,
   so a dead store costs one deadline, not one per block (nor one per batch of blocks:
   fetches that were waiting for a thread when the circuit opened are skipped, not made).
@@ -51,8 +52,8 @@ from .transfer import (
     Sealer,
     Source,
     SourceError,
+    fetch_block,
     put_block,
-    verify_fetched,
 )
 
 log = logging.getLogger(__name__)
@@ -167,7 +168,8 @@ class Tiering:
             if seal.is_sealed(blockfile.decode_header(data)):
                 return data
             key_id, ns_key = keyring.sealing_key(tenant, ns)
-            return seal.seal_file(data, ns_key, key_id, tenant, ns, encode=encode)
+            return seal.seal_file(data, ns_key, key_id, tenant, ns, encode=encode,
+                                  in_place=True)  # (a buffer of the upload's own)
 
         return sealer
 
@@ -243,11 +245,10 @@ class Tiering:
             def work(tier: Tier = tier, tmp: str = tmp, handoff: Handoff = handoff
                      ) -> Fetched | None:
                 try:
-                    if not tier.get(key, tmp):
-                        return None
-                    fetched = verify_fetched(tmp, name, key, owner, decode=not self.hot_encoded,
-                                      keyring=self.keyring, keep_sealed=self.hot_sealed)
-                    return handoff.place(tmp, put, fetched)
+                    fetched = fetch_block(tier, key, tmp, name, owner,
+                                          decode=not self.hot_encoded, keyring=self.keyring,
+                                          keep_sealed=self.hot_sealed)
+                    return None if fetched is None else handoff.place(tmp, put, fetched)
                 finally:
                     if os.path.exists(tmp):
                         os.unlink(tmp)

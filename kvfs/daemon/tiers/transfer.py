@@ -3,9 +3,10 @@ a block's bytes.
 
 - `put_block`: read a block from the hot tier (through a `Source` the daemon gives), encode it
   where that pays, seal it (encryption at rest) and put it into a tier.
-- `verify_fetched`: check a fetched temporary before it is renamed into its hot path (header,
-  size, checksums, name), opening a sealed block with its tenant's key and decoding an
-  encoded one, so that the hot tier holds blocks as they were saved.
+- `fetch_block`: read a block from a tier into memory, check it there (header, size,
+  checksums, name), opening a sealed block with its tenant's key where it lies and decoding
+  an encoded one, so that the hot tier holds blocks as they were saved, and write it once into
+  the temporary that is then renamed into its hot path.
 - `Handoff`: who owns a fetch's outcome, its thread or the event loop that gave up waiting.
 """
 
@@ -110,31 +111,49 @@ def put_block(tier: Tier, key: str, src: Source, encode: bool,
     return tier.put(key, src), raw, raw
 
 
-def verify_fetched(tmp: str, name: str, key: str, owner: tuple[int, int, int], *,
-                   decode: bool = True, keyring: Keyring | None = None,
-                   keep_sealed: bool = False) -> Fetched:
-    """Thread: check a fetched temporary, ready to be renamed into its hot path; a sealed
-    block is opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed),
-    an encoded block is decoded into it where ``decode`` (the hot tier holds blocks as saved:
-    a mount whose clients save them encoded keeps them so), never a lossy one (it was saved
+#: The largest object a fetch takes (a guard against a store that answers with anything: block
+#: files are far smaller).
+FETCH_LIMIT = 1 << 32
+
+
+def fetch_block(tier: Tier, key: str, tmp: str, name: str, owner: tuple[int, int, int], *,
+                decode: bool = True, keyring: Keyring | None = None,
+                keep_sealed: bool = False) -> Fetched | None:
+    """Thread: `key` read from `tier` into memory (one copy), checked there and written once
+    into the temporary `tmp` (a new file, owned and moded as ``owner`` says), ready to be
+    renamed into its hot path; None where the tier does not have it. A sealed block is
+    opened with its tenant's key (``keyring``; the hot tier keeps blocks unsealed) where it
+    lies, an encoded block decoded where ``decode`` (the hot tier holds blocks as saved: a
+    mount whose clients save them encoded keeps them so), never a lossy one (it was saved
     so); ``keep_sealed`` (--hot-encrypt): a sealed block, once it opens, is placed sealed.
-    Raises BlockFormatError, KeyUnavailable."""
-    with open(tmp, "rb") as f:
-        data = f.read()
+    (No size is expected: another host may have stored the block otherwise encoded.) Raises
+    BlockFormatError, KeyUnavailable, TierError."""
+    data = tier.read(key, FETCH_LIMIT)
+    if data is None:
+        return None
     moved = len(data)
-    rewrite = False
+    out, hdr = open_fetched(data, name, key, decode=decode, keyring=keyring,
+                            keep_sealed=keep_sealed)
+    uid, gid, mode = owner
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        view, done = memoryview(out).cast("B"), 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+    return Fetched(0, hdr, len(out), moved)
+
+
+def open_fetched(data: bytearray, name: str, key: str, *, decode: bool = True,
+                 keyring: Keyring | None = None, keep_sealed: bool = False
+                 ) -> tuple[bytes | bytearray, blockfile.BlockHeader]:
+    """A fetched object checked (see `fetch_block`): the bytes of its hot copy (``data``
+    itself where nothing changes or it was opened in place) and their header."""
     head = blockfile.decode_header(data)
-    if seal.is_sealed(head) and keep_sealed and keyring is not None:
-        tenant, ns = key.split("/", 2)[:2]
-        kid = seal.key_id_of(head)
-        assert kid is not None
-        opened = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
-        blockfile.check(blockfile.decode_header(opened),
-                        block_hash=hashing.parse_block_filename(name))
-        uid, gid, mode = owner
-        os.chown(tmp, uid, gid)
-        os.chmod(tmp, mode)
-        return Fetched(0, head, len(data), moved)
+    block_hash = hashing.parse_block_filename(name)
     if seal.is_sealed(head):
         if keyring is None:
             raise blockfile.BlockFormatError("sealed", "an encrypted block, and this mount "
@@ -142,19 +161,14 @@ def verify_fetched(tmp: str, name: str, key: str, owner: tuple[int, int, int], *
         tenant, ns = key.split("/", 2)[:2]
         kid = seal.key_id_of(head)
         assert kid is not None
-        data = seal.open_file(data, keyring.namespace_key(tenant, ns, kid), tenant, ns)
-        rewrite = True
+        ns_key = keyring.namespace_key(tenant, ns, kid)
+        if keep_sealed:  # opened (a copy) to be checked, placed as it came
+            opened = seal.open_file(data, ns_key, tenant, ns)
+            blockfile.check(blockfile.decode_header(opened), block_hash=block_hash)
+            return data, head
+        data = seal.open_file(data, ns_key, tenant, ns, in_place=True)  # type: ignore[assignment]
     hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
-    blockfile.check(hdr, block_hash=hashing.parse_block_filename(name))
+    blockfile.check(hdr, block_hash=block_hash)
     if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
-        data = codec.raw_file(hdr, payload)
-        hdr = replace(hdr, encoding=None)
-        rewrite = True
-    if rewrite:
-        with open(tmp, "r+b") as f:
-            f.write(data)
-            f.truncate()
-    uid, gid, mode = owner
-    os.chown(tmp, uid, gid)
-    os.chmod(tmp, mode)
-    return Fetched(0, hdr, len(data), moved)
+        return codec.raw_file(hdr, payload), replace(hdr, encoding=None)
+    return data, hdr
