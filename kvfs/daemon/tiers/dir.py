@@ -10,7 +10,15 @@ import stat
 from collections.abc import Iterator
 
 from ..backing import AT_FDCWD, RENAME_NOREPLACE, renameat2
-from .base import TMP_PREFIX, Tier, TierError, check_key, temp_beside, unlink_quietly
+from .base import (
+    TMP_PREFIX,
+    WRITE_PIECE,
+    Tier,
+    TierError,
+    check_key,
+    temp_beside,
+    unlink_quietly,
+)
 
 _COPY_CHUNK = 16 << 20
 
@@ -28,10 +36,11 @@ def _copy_fd(src: int, dst: int) -> None:
         os.write(dst, buf)
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
+def _write_all(fd: int, data: bytes | bytearray) -> None:
+    """All of ``data``, WRITE_PIECE bytes a call (see kvfs.daemon.tiers.base)."""
+    view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view[:WRITE_PIECE]):]
 
 
 def _makedirs(path: str, top: str) -> None:

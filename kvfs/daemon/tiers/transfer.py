@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ...format import blockfile, codec, hashing, seal
 from ..keys import Keyring
-from .base import Tier
+from .base import WRITE_PIECE, Tier
 
 
 @dataclass
@@ -139,7 +139,7 @@ def fetch_block(tier: Tier, key: str, tmp: str, name: str, owner: tuple[int, int
     try:
         view, done = memoryview(out).cast("B"), 0
         while done < len(view):
-            done += os.write(fd, view[done:])
+            done += os.write(fd, view[done:done + WRITE_PIECE])
         os.fchown(fd, uid, gid)
         os.fchmod(fd, mode)
     finally:
