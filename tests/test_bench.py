@@ -713,6 +713,26 @@ def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts
     assert "store" in row["value"] and "the fastest client" in row["baseline"] and row["ratio"] > 0
 
 
+@pytest.mark.mount
+def test_tools_bench_tiers_door_figure_reads_through_a_fresh_hosts_mount(tmp_path):
+    """The door figure at a tiny scale: a fresh host reads as files, through its mount, the
+    blocks another published to S3 (each a hot miss its daemon fetches), beside the fastest
+    client's and boto3's GETs of the same objects; every block fetched, none missed."""
+    _need_tiers_bench()
+    res = run_tool("bench_tiers.py", "--figures", "door", "--block-mib", "1", "--blocks", "4",
+                   "--repeats", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    assert not record["problems"], record["problems"]
+    door = record["door"]
+    assert door["rounds"] == 2 and door["kvfs_gbps"] > 0 and door["fastest_gbps"] > 0
+    assert door["daemon"]["hits"] == 8 and door["daemon"]["misses"] == 0
+    assert door["daemon_cpu_s_per_gb"] > 0
+    figures = {r["figure"]: r for r in record["rows"]}
+    row = figures["restore through the mount from shared S3"]
+    assert "presigned GET + urllib3" in row["baseline"] and row["ratio"] > 0
+
+
 def test_bench_engine_holds_the_s3_restore_to_the_fastest_clients_gets(s3):  # noqa: F811
     """kvfs bench engine's S3 target: the fastest plain client reads every object of the
     bench bucket (a real S3 server; the bench's own credentials, none in the environment), and

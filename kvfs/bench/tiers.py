@@ -17,7 +17,9 @@ latency stages in :mod:`kvfs.bench.tiers_latency`, and ``tools/bench_tiers.py`` 
 - reader ``r-large`` (``--shared s3://``, the daemon's default deadline) takes the one large
   restore;
 - reader ``r-tail`` (``--shared s3://`` through the proxy, ``--fetch-timeout``,
-  ``--tier-cooldown``) serves the latency figures.
+  ``--tier-cooldown``) serves the latency figures;
+- reader ``r-door`` (``--shared s3://``) reads block files through its mount, as an engine
+  without the kvfs client does (figure 5).
 
 Figures:
 
@@ -46,6 +48,10 @@ Figures:
 3. The share of each request spent waiting on storage: the client's ``lookup`` (which sends
    the fetch and returns once the daemon has placed the blocks) over the whole request, and the
    daemon's own per-tier fetch latency histogram (``.kvfs/stats.json``).
+
+5. Another host picks up a context through its mount (``kvfs.bench.tiers_door``): fresh
+   sets read as files through ``r-door`` on 8 threads, each file a hot miss the daemon
+   fetches, against the fastest plain client's and boto3's GETs of the same objects.
 
 The tool never drops the page cache, and reads each source once before timing it: every tier
 and the store's volumes are read warm, so the figures are the software paths' costs, not the
@@ -87,6 +93,7 @@ from .harness import (
 )
 from .plot import ratio_bars, title
 from .records import Kind, figure_table, number
+from .tiers_door import bench_door, door_rows
 
 #: The daemon runs at most this many tier calls at once (its tier thread limiter).
 TIER_THREADS = 32
@@ -198,6 +205,8 @@ def table_rows(res: dict[str, Any]) -> list[tuple[str, str, str, float | None, s
                      f"{lg['on_disk']} files on disk, {d['hits']} fetches counted"))
     if res.get("seal"):
         rows += seal_rows(res["seal"])
+    if res.get("door"):
+        rows += door_rows(res["door"])
     for st in res.get("delays", []):
         lat, base = st["latency_ms"], st["baseline_ms"]
         what = (f"{res['params']['tail_blocks']} blocks/request, +{st['delay_ms']:g} ms/request"
@@ -362,9 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-encrypt", action="store_true", dest="no_encrypt",
                    help="every mount but the encryption figure's with --no-encrypt (the "
                         "lower tiers' blocks stored unsealed)")
-    p.add_argument("--figures", default="restore,large,latency,seal",
+    p.add_argument("--figures", default="restore,large,latency,seal,door",
                    help="which figures to run, comma-separated (all: "
-                        "restore,large,latency,seal)")
+                        "restore,large,latency,seal,door)")
     p.add_argument("--seal-rounds", type=int, default=7,
                    help="rounds of the encryption figure (sealed against --no-encrypt) (7)")
     p.add_argument("--quick", action="store_true", help="a smoke run: small, short")
@@ -411,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         args.large_blocks = 48
         args.seal_rounds = 2
     figs = {f.strip() for f in args.figures.split(",") if f.strip()}
-    if figs - {"restore", "large", "latency", "seal"}:
+    if figs - {"restore", "large", "latency", "seal", "door"}:
         print(f"bench_tiers: unknown figures in {args.figures!r}", file=sys.stderr)
         return 2
     if "large" not in figs:
@@ -468,11 +477,12 @@ def main(argv: list[str] | None = None) -> int:
         r_s3 = Mount.under(os.path.join(work, "r-s3"),
                            ["--shared", direct, *restore_extra, *codec_args])
         r_large = Mount.under(os.path.join(work, "r-large"), ["--shared", direct, *codec_args])
+        r_door = Mount.under(os.path.join(work, "r-door"), ["--shared", direct, *codec_args])
         r_tail = Mount.under(os.path.join(work, "r-tail"), ["--shared", slow,
                                         "--fetch-timeout", str(args.fetch_timeout),
                                         "--tier-cooldown", str(args.tier_cooldown),
                                         *codec_args])
-        for m in (w_s3, w_dir, r_dir, r_s3, r_large, r_tail):
+        for m in (w_s3, w_dir, r_dir, r_s3, r_large, r_tail, *([r_door] if "door" in figs else [])):
             if figs - {"seal"}:
                 m.start()
                 mounts.append(m)
@@ -517,6 +527,9 @@ def main(argv: list[str] | None = None) -> int:
                 kv = payload(spec, len(hashes), seed=i)
                 published["w-s3"] += cs.save(hashes, kv)
                 published["w-dir"] += cd.save(hashes, kv)
+            door_sets = sets.make(cs, args.repeats, args.blocks) if "door" in figs else []
+            for i, hashes in enumerate(door_sets):
+                published["w-s3"] += cs.save(hashes, payload(spec, len(hashes), 2 * 10**5 + i))
             large = sets.make(cs, 1, args.large_blocks)[0] if args.large_blocks else []
             step = 64
             for i in range(0, len(large), step):
@@ -550,6 +563,15 @@ def main(argv: list[str] | None = None) -> int:
         except BenchError as exc:
             res["problems"].append(f"restore: {exc}")
             log(f"PROBLEM: {exc}")
+
+        if door_sets:
+            log(f"door: {len(door_sets)} rounds of {args.blocks} blocks read through a fresh "
+                "host's mount from S3")
+            try:
+                res["door"] = bench_door(spec, door_sets, r_door, server.endpoint)
+            except (BenchError, OSError) as exc:
+                res["problems"].append(f"door: {exc}")
+                log(f"PROBLEM: {exc}")
 
         if large:
             log(f"large restore: {len(large)} blocks from S3 in one request")
