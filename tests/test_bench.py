@@ -687,17 +687,24 @@ def test_bench_codec_perturbs_one_ulp_and_judges_int8_against_both_floors(tmp_pa
     assert rows["gate: int8 restore: top-1 agreement"]["baseline"] == 1.0
 
 
+def _tiny_tiers(tmp_path, *args: str) -> dict:
+    """tools/bench_tiers.py with 1 MiB blocks and ``args``: its record, run without a
+    problem."""
+    _need_tiers_bench()
+    res = run_tool("bench_tiers.py", "--block-mib", "1", *args, "--dir", str(tmp_path),
+                   "--out", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
+    assert not record["problems"], record["problems"]
+    return record
+
+
 @pytest.mark.mount
 def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts(tmp_path):
     """The encryption figure at a tiny scale: sealed and plain publishes and restores, and
     in each publish round the fastest plain client's PUTs of as many objects (presigned by
     kvfs's own signer, which SeaweedFS must accept), as the publish's baseline."""
-    _need_tiers_bench()
-    res = run_tool("bench_tiers.py", "--figures", "seal", "--block-mib", "1", "--blocks", "2",
-                   "--seal-rounds", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
-    assert not record["problems"], record["problems"]
+    record = _tiny_tiers(tmp_path, "--figures", "seal", "--blocks", "2", "--seal-rounds", "2")
     seal = record["seal"]
     assert seal["client_put"] > 0 and len(seal["per_round"]["ratios"]["publish"]) == 2
     assert seal["sealed_publish_vs_put"] > 0 and seal["plain_publish_vs_put"] > 0
@@ -718,12 +725,7 @@ def test_tools_bench_tiers_door_figure_reads_through_a_fresh_hosts_mount(tmp_pat
     """The door figure at a tiny scale: a fresh host reads as files, through its mount, the
     blocks another published to S3 (each a hot miss its daemon fetches), beside the fastest
     client's and boto3's GETs of the same objects; every block fetched, none missed."""
-    _need_tiers_bench()
-    res = run_tool("bench_tiers.py", "--figures", "door", "--block-mib", "1", "--blocks", "4",
-                   "--repeats", "2", "--dir", str(tmp_path), "--out", str(tmp_path / "out"))
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    record = json.loads((tmp_path / "out" / "tiers.json").read_text())
-    assert not record["problems"], record["problems"]
+    record = _tiny_tiers(tmp_path, "--figures", "door", "--blocks", "4", "--repeats", "2")
     door = record["door"]
     assert door["rounds"] == 2 and door["kvfs_gbps"] > 0 and door["fastest_gbps"] > 0
     assert door["daemon"]["hits"] == 8 and door["daemon"]["misses"] == 0

@@ -188,14 +188,11 @@ class S3Tier(Tier):
             headers = {"Content-Length": str(len(body))}
             if self._conditional:
                 headers["If-None-Match"] = "*"
-            conn = self._connection(u)
             try:
-                conn.request("PUT", f"{u.path}?{u.query}", body=body, headers=headers)
-                resp = conn.getresponse()
+                resp = self._round_trip(u, "PUT", body, headers)
                 text = resp.read()
             except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._tls.conn = None
+                self._drop()
                 if attempt + 1 >= self._max_attempts:
                     raise self._error("put", key, exc) from exc
                 continue
@@ -223,6 +220,20 @@ class S3Tier(Tier):
             conn = self._tls.conn = cls(u.netloc, timeout=self._read_timeout,
                                         blocksize=1 << 20)
         return conn
+
+    def _round_trip(self, u: Any, method: str, body: Any = None,
+                    headers: dict[str, str] | None = None) -> http.client.HTTPResponse:
+        """One presigned request (``u``, split) on this thread's kept-alive connection, up
+        to its answer's headers."""
+        conn = self._connection(u)
+        conn.request(method, f"{u.path}?{u.query}", body=body, headers=headers or {})
+        return conn.getresponse()
+
+    def _drop(self) -> None:
+        """Close this thread's connection (after a failure: it may be mid-answer)."""
+        conn, self._tls.conn = getattr(self._tls, "conn", None), None
+        if conn is not None:
+            conn.close()
 
     def get(self, key: str, dest: str) -> bool:
         """One GET, streamed into a temporary beside `dest`, then renamed over it."""
@@ -261,10 +272,8 @@ class S3Tier(Tier):
             return super().read(key, limit)
         u = urlsplit(url)
         for attempt in range(self._max_attempts):
-            conn = self._connection(u)
             try:
-                conn.request("GET", f"{u.path}?{u.query}")
-                resp = conn.getresponse()
+                resp = self._round_trip(u, "GET")
                 if resp.status != 200:
                     resp.read()
                     if resp.status == 404:
@@ -274,8 +283,7 @@ class S3Tier(Tier):
                     continue
                 size = resp.length
                 if size is None or size > limit:
-                    conn.close()
-                    self._tls.conn = None
+                    self._drop()
                     raise self._error("get", key, f"{size} bytes, over {limit}"
                                       if size is not None else "no Content-Length")
                 buf = bytearray(size)
@@ -288,8 +296,7 @@ class S3Tier(Tier):
                 del view
                 return buf
             except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._tls.conn = None
+                self._drop()
                 if attempt + 1 == self._max_attempts:
                     raise self._error("get", key, exc) from exc
         return None
@@ -307,14 +314,11 @@ class S3Tier(Tier):
             return self._head(key, "head")
         u = urlsplit(url)
         for attempt in range(self._max_attempts):
-            conn = self._connection(u)
             try:
-                conn.request("HEAD", f"{u.path}?{u.query}")
-                resp = conn.getresponse()
+                resp = self._round_trip(u, "HEAD")
                 resp.read()
             except (OSError, http.client.HTTPException) as exc:
-                conn.close()
-                self._tls.conn = None
+                self._drop()
                 if attempt + 1 == self._max_attempts:
                     raise self._error("head", key, exc) from exc
                 continue
