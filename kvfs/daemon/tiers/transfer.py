@@ -166,7 +166,12 @@ def open_fetched(data: bytearray, name: str, key: str, *, decode: bool = True,
             opened = seal.open_file(data, ns_key, tenant, ns)
             blockfile.check(blockfile.decode_header(opened), block_hash=block_hash)
             return data, head
-        data = seal.open_file(data, ns_key, tenant, ns, in_place=True)  # type: ignore[assignment]
+        opened = seal.open_file(data, ns_key, tenant, ns, in_place=True)
+        if opened is data:  # a raw block, opened and checked where it lies
+            hdr = blockfile.decode_header(data)
+            blockfile.check(hdr, block_hash=block_hash)
+            return data, hdr
+        data = opened  # type: ignore[assignment]
     hdr, payload = blockfile.decode(data)  # header, size, checksums, padding (and decoded)
     blockfile.check(hdr, block_hash=block_hash)
     if hdr.encoding is not None and decode and not codec.is_lossy(hdr):
