@@ -77,6 +77,30 @@ def test_what_does_not_shrink_stays_as_saved() -> None:
 
 
 @needs_codec
+def test_a_plane_whose_first_chunk_does_not_shrink_is_stored_as_is() -> None:
+    """The encoder probes each plane with its first chunk (codec.CHUNK elements): a plane
+    whose probe does not shrink is stored as is, uncompressed, even where the rest of it
+    would have; the other planes are compressed as ever, and the block decodes to itself."""
+    n = 3 * codec.CHUNK
+    lo = bytearray(os.urandom(n))  # a bfloat16 payload's low plane: random throughout
+    hi = bytearray(n)  # its high plane: random in the first chunk, then constant
+    hi[:codec.CHUNK] = os.urandom(codec.CHUNK)
+    payload = bytearray(2 * n)
+    payload[0::2], payload[1::2] = lo, hi
+    assert codec.encode_payload(bytes(payload), 2) is None  # neither plane is compressed
+    hi[:codec.CHUNK] = bytes(codec.CHUNK)  # the probe shrinks: the whole plane is compressed
+    payload[1::2] = hi
+    stored = codec.encode_payload(bytes(payload), 2)
+    assert stored is not None
+    words = struct.unpack_from("<QQ", stored)
+    assert words[0] == n  # the low plane as is
+    assert words[1] >> 63 and (words[1] & ((1 << 48) - 1)) < n // 100  # the high one zstd
+    raw = raw_block(bytes(payload))
+    enc = codec.encode_file(raw)
+    assert enc is not None and codec.decode_file(enc) == raw
+
+
+@needs_codec
 def test_every_bit_flip_of_an_encoded_block_is_refused() -> None:
     """A corrupt stored byte fails the stored checksum; a forger who fixes that checksum and
     the header's still meets the decoder's checks and the decoded payload's checksum: never

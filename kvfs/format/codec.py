@@ -4,7 +4,8 @@ One lossless codec, ``planes-zstd`` (docs/format.md, "Encodings"): a payload of 
 elements is split into k byte planes; each plane is stored as is or, where that makes it
 smaller, as a run of standard zstd frames (one per :data:`CHUNK` elements, level
 :data:`LEVEL`). For 16-bit KV (bfloat16, float16) the high byte (sign, exponent) takes a few
-dozen values and compresses to ~3 bits; the low byte is close to random and is kept as is.
+dozen values and compresses to ~3 bits; the low byte is close to random and is kept as is
+(the encoder probes each plane with its first chunk and stops there where it does not shrink).
 A block whose file does not shrink below :data:`KEEP` of its size (stored bytes are padded
 to a page, as a payload is) is stored as is (format versions 1 and 2); one that does becomes a
 version 3 file whose header keeps every field of the block's own header, so decoding gives
