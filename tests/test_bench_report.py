@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.bench import common, harness, plot, report
+from kvfs.bench import common, harness, plot, records, report
 
 from .conftest import kvfs
 
@@ -413,3 +413,24 @@ def test_verdicts_read_met_or_ok_and_a_kind_showing_them_is_not_repeated(tmp_pat
     assert "- met: fast enough: 0.8x" in text
     assert "- **missed**: small enough: 2x" in text
     assert "- not measured: not run" in text
+
+
+def test_a_damon_pageout_scheme_is_a_condition_of_the_record(tmp_path: Path) -> None:
+    """A host's proactive reclaim (a DAMON scheme paging out idle page cache) is found in
+    sysfs and said in the record's conditions: page cache a figure calls warm may be gone."""
+    assert harness.page_reclaim(str(tmp_path)) is None  # none running
+    kd = tmp_path / "kernel/mm/damon/admin/kdamonds/0"
+    sch = kd / "contexts/0/schemes/0"
+    files = {kd / "state": "on", kd / "contexts/0/monitoring_attrs/intervals/aggr_us": "5000000",
+             sch / "action": "pageout", sch / "access_pattern/age/min": "12",
+             sch / "quotas/bytes": str(128 << 20), sch / "quotas/reset_interval_ms": "1000",
+             sch / "ops_filters/0/type": "anon", sch / "ops_filters/0/allow": "N"}
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n")
+    said = "DAMON pageout of page cache idle for 60 s or more, up to 128 MiB/s"
+    assert harness.page_reclaim(str(tmp_path)) == said
+    (kd / "state").write_text("off\n")
+    assert harness.page_reclaim(str(tmp_path)) is None  # a scheme set up but not running
+    cond = {**conditions(tmp_path), "page_reclaim": said}
+    assert f"proactive reclaim: {said}" in records.conditions_text(cond)

@@ -137,6 +137,40 @@ def can_drop_caches() -> bool:
     return True
 
 
+def page_reclaim(sysfs: str = "/sys") -> str | None:
+    """The proactive reclaim that runs on this machine, in words, or None: a DAMON scheme
+    that pages out memory left idle (a virtual machine's host often sets one), which drops
+    page cache a benchmark calls warm once it has been idle that long."""
+    found = []
+    root = Path(sysfs, "kernel/mm/damon/admin/kdamonds")
+    for kd in sorted(root.glob("[0-9]*")):
+        if read_text(kd / "state").strip() != "on":
+            continue
+        for ctx in sorted(kd.glob("contexts/[0-9]*")):
+            aggr_us = int(read_text(ctx / "monitoring_attrs/intervals/aggr_us").strip() or 0)
+            for sch in sorted(ctx.glob("schemes/[0-9]*")):
+                action = read_text(sch / "action").strip()
+                if action not in ("pageout", "lru_deprio"):
+                    continue
+                age = int(read_text(sch / "access_pattern/age/min").strip() or 0)
+                quota = int(read_text(sch / "quotas/bytes").strip() or 0)
+                reset_ms = int(read_text(sch / "quotas/reset_interval_ms").strip() or 0)
+                spare_anon = any(
+                    read_text(f / "type").strip() == "anon"
+                    and read_text(f / "allow").strip() == "N"
+                    for f in sch.glob("ops_filters/[0-9]*"))
+                what = "page cache" if spare_anon else "memory"
+                text = f"DAMON {action} of {what} idle for {age * aggr_us / 1e6:g} s or more"
+                if quota and reset_ms:
+                    text += f", up to {quota / 2**20 / (reset_ms / 1000):g} MiB/s"
+                found.append(text)
+    if read_text(Path(sysfs, "module/damon_reclaim/parameters/enabled")).strip() == "Y":
+        age_us = read_text(Path(sysfs, "module/damon_reclaim/parameters/min_age")).strip()
+        found.append("DAMON_RECLAIM"
+                     + (f" of memory idle for {int(age_us) / 1e6:g} s or more" if age_us else ""))
+    return "; ".join(found) or None
+
+
 def busy_cpus(seconds: float = 1.0) -> float:
     """CPUs kept busy by other processes over ``seconds`` (this one sleeps meanwhile)."""
     def sample() -> tuple[int, int]:
@@ -206,7 +240,7 @@ def filesystem_of(path: str | Path) -> dict[str, Any]:
 CONDITION_KEYS = (
     "time", "cpu", "cores", "cores_usable", "memory_gib", "gpu", "kernel", "filesystems",
     "versions", "kvfs_commit", "kvfs_local_changes", "root", "cold_cache", "load_average",
-    "other_busy_cpus_before", "load_average_after", "other_busy_cpus_after")
+    "other_busy_cpus_before", "load_average_after", "other_busy_cpus_after", "page_reclaim")
 #: The modules whose versions every record carries (None: not installed).
 VERSIONS = ("torch", "kvikio", "pyfuse3", "boto3")
 
@@ -271,6 +305,7 @@ def conditions(dirs: Sequence[str] | dict[str, str], *, modules: Sequence[str] =
         "filesystems": {k: filesystem_of(v) for k, v in labelled.items()},
         "versions": versions, "kvfs_commit": commit, "kvfs_local_changes": changed,
         "root": os.getuid() == 0, "load_average": [round(x, 2) for x in os.getloadavg()],
+        "page_reclaim": page_reclaim(),
     }
     if load:
         out["other_busy_cpus_before"] = busy_cpus()

@@ -187,6 +187,8 @@ def conditions_text(c: Any) -> str:
         load.append(f"{c['other_busy_cpus_after']:g} CPUs busy after it")
     if load:
         parts.append("; ".join(load))
+    if c.get("page_reclaim"):
+        parts.append(f"proactive reclaim: {c['page_reclaim']} (warm page cache may go cold)")
     rest = {k: v for k, v in c.items() if k not in KNOWN_CONDITIONS}
     if rest:
         parts.append("also " + ", ".join(f"{k} {value_text(v)}" for k, v in rest.items()))

@@ -129,7 +129,8 @@ def conditions_text(c: dict[str, Any]) -> str:
             f"{v['boto3']}, pyfuse3 {v['pyfuse3']}, kvfs {v['kvfs']} ({c['kvfs_commit']}"
             f"{' + local changes' if c['kvfs_local_changes'] else ''}), SeaweedFS "
             f"{(v['weed'] or '?').removeprefix('version ')}; other processes kept "
-            f"{c['other_busy_cpus_before']} CPUs busy (load average {c['load_average'][0]})")
+            f"{c['other_busy_cpus_before']} CPUs busy (load average {c['load_average'][0]})"
+            + (f"; proactive reclaim: {c['page_reclaim']}" if c.get("page_reclaim") else ""))
 
 
 # -- the report ----------------------------------------------------------------------------------
