@@ -106,8 +106,8 @@ installed: `pip install kvfs[bench]`); this page is rendered from those records 
 
 A machine's proactive reclaim is one of its conditions (`page_reclaim`, from records of
 2026-12-06 on): the 2-core VMs of the records below run a DAMON scheme, set by their host,
-that pages out unmapped page cache idle for 60 s or more, up to 128 MiB/s (193 GB paged
-out in the first 18 hours of one of them). A file written or read more than a minute before
+that pages out unmapped page cache idle for 60 s or more, up to 128 MiB/s (applied to 193 GB
+in the first 18 hours of one of them). A file written or read more than a minute before
 a figure that calls it warm may have gone cold on such a machine, in kvfs's runs and in the
 baselines' alike; the same-run ratios stand, the spread between runs is partly this.
 """
