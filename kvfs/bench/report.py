@@ -108,8 +108,10 @@ A machine's proactive reclaim is one of its conditions (`page_reclaim`, from rec
 2026-12-06 on): the 2-core VMs of the records below run a DAMON scheme, set by their host,
 that pages out unmapped page cache idle for 60 s or more, up to 128 MiB/s (applied to 193 GB
 in the first 18 hours of one of them). A file written or read more than a minute before
-a figure that calls it warm may have gone cold on such a machine, in kvfs's runs and in the
-baselines' alike; the same-run ratios stand, the spread between runs is partly this.
+a figure that calls it warm may have gone partly cold on such a machine, in kvfs's runs and
+in the baselines' alike: a 200 MB file left idle there lost 4 % of its pages a minute (8 MB
+a minute, over three minutes, with other work running). The same-run ratios stand; a little
+of the spread between runs is this.
 """
 
 
