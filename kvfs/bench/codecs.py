@@ -207,7 +207,7 @@ def int8_measure(blocks: list[bytes], args: argparse.Namespace, tiles: int = 0
                              for g, d in zip(got, dests, strict=True)], args.repeats)
     enc = _median_s(lambda: [codec.encode_block(replace(h, sums=None), p, "int8", tiles=tiles)
                              for h, p in zip(heads, payloads, strict=True)],
-                    max(1, args.repeats // 2))
+                    args.repeats)
 
     def copy_hash() -> None:
         for p, d in zip(payloads, dests, strict=True):
@@ -421,8 +421,8 @@ def measure(blocks: list[bytes], args: argparse.Namespace) -> dict[str, Any]:
     one = _median_s(decode_all, args.repeats)
     lib = _median_s(library, args.repeats)
     peer_dec = _median_s(peer_decode, args.repeats)
-    enc_s = _median_s(lambda: [codec.encode_file(b) for b in blocks], max(1, args.repeats // 2))
-    peer_enc_s = _median_s(lambda: [zc.compress(p) for p in payloads], max(1, args.repeats // 2))
+    enc_s = _median_s(lambda: [codec.encode_file(b) for b in blocks], args.repeats)
+    peer_enc_s = _median_s(lambda: [zc.compress(p) for p in payloads], args.repeats)
     # All cores: each thread decodes (copies) into its own destinations.
     own = [[bytearray(h.payload_len) for h in heads] for _ in range(args.threads)]
     work = [(t, i) for t in range(args.threads) for i in range(len(todo))]
