@@ -35,8 +35,10 @@
 /* The encoder's match table: 2^6 entries (zstd's least). A plane of KV bytes is literals
  * for Huffman coding with few repeats worth a match (hence the 7-byte minimum match below);
  * level 1's own table (2^13 and up) finds more short matches, which cost more than the
- * literals they replace: measured on bfloat16 KV planes, the small table encodes 3x faster,
- * stores 4 % fewer bytes and decodes 25 % faster (docs/benchmarks.md, "Block codecs"). */
+ * literals they replace. Measured on one core (libzstd 1.5.4, 2-core Xeon VM) against level
+ * 1's own table, on the high plane of 1 Mi normal bfloat16 values in 64 Ki frames: encoding
+ * 3.6 -> 1.2 ms, 35.9 % -> 34.5 % of the plane stored, decoding 1.12 -> 0.81 ms; whole
+ * blocks, the probe below included: docs/bench/codec-table.notes.md. */
 #define HASH_LOG 6
 
 static void split(const uint8_t *src, size_t elems, int k, uint8_t **planes) {
