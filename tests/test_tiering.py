@@ -92,6 +92,31 @@ def test_two_hosts_share_a_tier(mount_factory, tmp_path):
     assert not (ns_b / hashing.block_relpath(missing)).exists()
 
 
+def test_eviction_of_a_published_block_is_a_demotion(mount_factory, tmp_path):
+    """A block that write-through already put into the shared tier is there when eviction
+    demotes it: a demotion (its name stays, read back from the tier), not a failure that
+    counts against the tier's circuit and drops the name."""
+    shared = tmp_path / "shared"
+    m = mount_factory(extra=["--capacity", "400K", "--shared", f"dir://{shared}"])
+    ns = setup(m)
+    blocks = [block(i) for i in range(12)]  # 12 x 64 KiB: three times the capacity
+    for h, d in blocks:
+        put(ns, h, d)
+        key = shared / "t" / "m@0123456789abcdef" / hashing.block_relpath(h)
+        deadline = time.monotonic() + 10
+        while not key.exists() and time.monotonic() < deadline:
+            time.sleep(0.02)  # published before the next save evicts anything
+        assert key.exists()
+    tier = m.stats()["tiers"][0]
+    assert tier["demotions"] >= 6, tier
+    assert tier["demotion_failures"] == 0 and tier["circuit"] == "closed", tier
+    first = ns / hashing.block_relpath(blocks[0][0])
+    assert os.getxattr(first, "user.kvfs.tier") == b"shared"
+    for h, d in blocks:  # every name is still there and reads its block
+        assert (ns / hashing.block_relpath(h)).read_bytes() == d
+    assert m.stats()["tiers"][0]["demotion_failures"] == 0
+
+
 def test_client_on_another_host_loads_from_the_shared_tier(mount_factory, tmp_path):
     torch = pytest.importorskip("torch")
     import kvfs as kv

@@ -290,6 +290,45 @@ def test_s3_without_conditional_put(s3, tmp_path: Path) -> None:
     assert (tmp_path / "dest").read_bytes() == (tmp_path / "a").read_bytes()
 
 
+def test_s3_upload_is_one_request_and_never_replaces(s3, tmp_path: Path) -> None:
+    """A write-through upload (``probe=False``) is one conditional PUT, no HEAD; a demotion's
+    put asks first and sends nothing where the block is there; a key that is there is never
+    replaced either way."""
+    tier = s3_tier(s3)
+    sent: list[tuple[str, int]] = []
+    real = tier._connection
+
+    class Counting:
+        def __init__(self, u) -> None:
+            self.conn = real(u)
+
+        def request(self, method, target, body=None, headers=None) -> None:
+            sent.append((method, len(body) if body else 0))
+            self.conn.request(method, target, body=body, headers=headers or {})
+
+        def getresponse(self):
+            return self.conn.getresponse()
+
+        def close(self) -> None:
+            self.conn.close()
+
+    tier._connection = Counting
+    key = make_block(tmp_path / "a", 8)
+    make_block(tmp_path / "b", 9)
+    size = (tmp_path / "a").stat().st_size
+    assert tier.put(key, str(tmp_path / "a"), probe=False) is True
+    assert sent == [("PUT", size)]
+    assert tier.put(key, str(tmp_path / "b"), probe=False) is False  # the store's 412
+    assert [m for m, _ in sent] == ["PUT", "PUT"]
+    assert tier.put(key, str(tmp_path / "b")) is False  # asked first: nothing sent
+    assert sent[2:] == [("HEAD", 0)]
+    other = make_block(tmp_path / "c", 10)
+    assert tier.put(other, str(tmp_path / "c")) is True
+    assert [m for m, _ in sent[3:]] == ["HEAD", "PUT"]
+    assert tier.get(key, str(tmp_path / "dest"))
+    assert (tmp_path / "dest").read_bytes() == (tmp_path / "a").read_bytes()
+
+
 def test_s3_bad_credentials(s3, tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "wrong")
     tier = s3_tier(s3)

@@ -78,10 +78,13 @@ class Tier(ABC):
     shared = False
 
     @abstractmethod
-    def put(self, key: str, src: str | bytes | bytearray) -> bool:
+    def put(self, key: str, src: str | bytes | bytearray, *, probe: bool = True) -> bool:
         """Store the file at local path `src` (or the bytes `src`) under `key`, atomically.
         Idempotent: False (and nothing written) if the key already exists, True if this call
-        wrote it."""
+        wrote it. ``probe``: ask first whether the key is there, where that is a request of
+        its own (a block being demoted may be there already, published when it was saved);
+        False for a block this host has just saved (a write-through upload), which almost
+        never is, where the store refuses a key that is there by itself."""
 
     @abstractmethod
     def get(self, key: str, dest: str) -> bool:

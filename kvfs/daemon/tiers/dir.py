@@ -74,7 +74,7 @@ class DirTier(Tier):
     def _error(self, op: str, key: str, exc: BaseException) -> TierError:
         return TierError(self.name, op, key, exc)
 
-    def put(self, key: str, src: str | bytes | bytearray) -> bool:
+    def put(self, key: str, src: str | bytes | bytearray, *, probe: bool = True) -> bool:
         dest = self._path(key)
         if os.path.lexists(dest):
             return False

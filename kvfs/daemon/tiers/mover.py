@@ -30,6 +30,7 @@ Each tier counts the raw and the stored bytes it was given (its ratio).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -460,7 +461,7 @@ class Tiering:
                     continue
                 try:
                     with self._publishing(i):
-                        done, put = await self._call(i, put_block, self.tiers[i], key, path,
+                        done, put = await self._call(i, _upload, self.tiers[i], key, path,
                                                      self.encode, self._sealer(),
                                                      timeout=self.deadline(None) * 4)
                 except FileNotFoundError:
@@ -539,6 +540,11 @@ class Tiering:
     def close(self) -> None:
         for tier in self.tiers:
             tier.close()
+
+
+#: A write-through upload: a block just saved here, put without asking first whether the
+#: tier has it (see `Tier.put`).
+_upload = functools.partial(put_block, probe=False)
 
 
 def _close(files: list[tuple[int, int] | None]) -> None:

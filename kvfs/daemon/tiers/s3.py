@@ -127,17 +127,22 @@ class S3Tier(Tier):
 
     # -- the Tier API ---------------------------------------------------------------------
 
-    def put(self, key: str, src: str | bytes | bytearray) -> bool:
-        """HEAD, then a conditional PUT (`If-None-Match: *`). The HEAD saves uploading a block
-        that is already there (the common case when many hosts publish the same prefix); the
-        condition makes the store itself refuse a key that appeared since (412), so concurrent
-        writers from many hosts need no coordination. With a store that does not implement
-        conditional writes (501, or an older botocore) two racing writers may both write the
-        same bytes, which is harmless for immutable content."""
+    def put(self, key: str, src: str | bytes | bytearray, *, probe: bool = True) -> bool:
+        """A conditional PUT (`If-None-Match: *`): the store itself refuses a key that is
+        already there (412, False), so writers on many hosts need no coordination and a
+        block is never replaced. A HEAD goes first where ``probe`` is set (a demotion: the
+        block may have been published when it was saved, and the HEAD saves sending it
+        again), not for a write-through upload: a block this host has just saved, after a
+        lookup missed it, is almost never there, and the HEAD cost every upload a round trip
+        and the store a second request; a duplicate (two hosts computing the same prefix at
+        once) costs its body sent once more. With a store that does not implement
+        conditional writes (501, or an older botocore) it is always a HEAD, then a plain
+        PUT: two racing writers may both write, harmless for immutable, content-named
+        blocks."""
         from botocore.exceptions import BotoCoreError, ClientError, ParamValidationError
 
         full = self._key(key)
-        if self.size(key) is not None:
+        if (probe or not self._conditional) and self.size(key) is not None:
             return False
         if (done := self._put_presigned(key, src)) is not None:
             return done
@@ -155,6 +160,8 @@ class S3Tier(Tier):
                 log.warning("%s tier: this botocore cannot send If-None-Match; "
                             "using HEAD then PUT", self.name)
                 self._conditional = False
+                if self.size(key) is not None:
+                    return False
             except ClientError as exc:
                 status, code = _status(exc), _code(exc)
                 if status == 412 or code == "PreconditionFailed":
@@ -165,6 +172,8 @@ class S3Tier(Tier):
                     log.warning("%s tier: the store does not support conditional PUT; "
                                 "using HEAD then PUT", self.name)
                     self._conditional = False
+                    if self.size(key) is not None:
+                        return False
                     continue
                 raise self._error("put", key, exc) from exc
             except (BotoCoreError, OSError) as exc:
@@ -206,6 +215,8 @@ class S3Tier(Tier):
                 log.warning("%s tier: the store does not support conditional PUT; "
                             "using HEAD then PUT", self.name)
                 self._conditional = False
+                if self.size(key) is not None:
+                    return False
                 continue
             if resp.status < 500 or attempt + 1 >= self._max_attempts:
                 raise self._error("put", key, f"HTTP {resp.status} {resp.reason}: "

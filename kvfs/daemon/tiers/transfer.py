@@ -86,10 +86,11 @@ Sealer = Callable[[str, bytes | bytearray, bool], bytes | bytearray]
 
 
 def put_block(tier: Tier, key: str, src: Source, encode: bool,
-              sealer: Sealer | None = None) -> tuple[bool, int, int]:
+              sealer: Sealer | None = None, *, probe: bool = True) -> tuple[bool, int, int]:
     """Thread: read the source (if it is a reader), encode it (``encode``, where that pays),
-    seal it (``sealer``: encryption at rest) and put it: (written, raw bytes, stored bytes).
-    A block that cannot be sealed (KeyUnavailable) is not put at all."""
+    seal it (``sealer``: encryption at rest) and put it (``probe``: see `Tier.put`):
+    (written, raw bytes, stored bytes). A block that cannot be sealed (KeyUnavailable) is
+    not put at all."""
     if callable(src) or encode or sealer is not None:
         try:
             if callable(src):
@@ -106,9 +107,9 @@ def put_block(tier: Tier, key: str, src: Source, encode: bool,
             raise  # evicted or removed meanwhile
         except (OSError, blockfile.BlockFormatError) as exc:
             raise SourceError(str(exc)) from exc
-        return tier.put(key, src), raw, len(src)
+        return tier.put(key, src, probe=probe), raw, len(src)
     raw = os.stat(src).st_size
-    return tier.put(key, src), raw, raw
+    return tier.put(key, src, probe=probe), raw, raw
 
 
 #: The largest object a fetch takes (a guard against a store that answers with anything: block
