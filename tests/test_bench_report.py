@@ -434,3 +434,21 @@ def test_a_damon_pageout_scheme_is_a_condition_of_the_record(tmp_path: Path) -> 
     assert harness.page_reclaim(str(tmp_path)) is None  # a scheme set up but not running
     cond = {**conditions(tmp_path), "page_reclaim": said}
     assert f"proactive reclaim: {said}" in records.conditions_text(cond)
+
+
+def test_an_ext4_without_a_journal_is_said_in_the_conditions(tmp_path: Path) -> None:
+    """Whether the ext4 under a figure has a journal (without one, creates right after many
+    removals walk past every inode removed in the last minute) is found in sysfs and said."""
+    from kvfs.bench import machine
+
+    assert machine.ext4_journal("vda", str(tmp_path)) is None  # not known
+    task = tmp_path / "fs/ext4/vda/journal_task"
+    task.parent.mkdir(parents=True)
+    task.write_text("<none>\n")
+    assert machine.ext4_journal("vda", str(tmp_path)) is False
+    task.write_text("jbd2/vda-8 (pid 812)\n")
+    assert machine.ext4_journal("vda", str(tmp_path)) is True
+    fs = {"type": "ext4", "kind": "virtio disk", "size_gib": 256, "journal": False}
+    assert "no journal" in records.filesystem_text(fs)
+    assert "journal" not in records.filesystem_text({**fs, "journal": True})
+    assert "journal" not in records.filesystem_text({**fs, "journal": None})

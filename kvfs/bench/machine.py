@@ -120,8 +120,22 @@ def first_line(argv: list[str]) -> str | None:
     return out[0] if res.returncode == 0 and out else None
 
 
+def ext4_journal(device: str, sysfs: str = "/sys") -> bool | None:
+    """Whether the ext4 filesystem on block device ``device`` (``vda``, ``nvme0n1p2``) has a
+    journal; None where that is not known (not ext4, no sysfs). Without one, ext4 gives no
+    new file an inode deleted in the last minute: each create walks past every such inode
+    (``recently_deleted``), so creates right after many files were removed cost hundreds of
+    microseconds more (600-800 us for an empty file on a VM that had just removed a few
+    thousand, against tens of microseconds otherwise)."""
+    task = read_text(Path(sysfs, "fs/ext4", device, "journal_task")).strip()
+    if not task:
+        return None
+    return task != "<none>"
+
+
 def filesystem_of(path: str | Path) -> dict[str, Any]:
-    """Type, source, mount point and device kind of the filesystem holding `path`."""
+    """Type, source, mount point and device kind of the filesystem holding `path` (and, for
+    ext4, whether it has a journal)."""
     real = os.path.realpath(path)
     best: dict[str, str] = {}
     for line in read_text("/proc/self/mountinfo").splitlines():
@@ -139,6 +153,8 @@ def filesystem_of(path: str | Path) -> dict[str, Any]:
     sysdev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
     if os.path.exists(sysdev):
         blk = os.path.realpath(sysdev)
+        if out["type"] == "ext4":
+            out["journal"] = ext4_journal(os.path.basename(blk))
         if os.path.exists(os.path.join(blk, "partition")):
             blk = os.path.dirname(blk)
         name = os.path.basename(blk)

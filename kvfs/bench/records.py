@@ -105,7 +105,9 @@ def filesystem_text(fs: dict[str, Any]) -> str:
         text = f"{fs.get('type', '?')} on {'an' if kind[:1].lower() in 'aeiou' else 'a'} {kind}"
     extra = [f"{fs['size_gib']:g} GiB" if number(fs.get("size_gib")) else None,
              f"read-ahead {fs['read_ahead_kb']} KiB" if number(fs.get("read_ahead_kb")) else None,
-             f"model {fs['model']}" if fs.get("model") else None]
+             f"model {fs['model']}" if fs.get("model") else None,
+             "no journal: creates after many removals are slower" if fs.get("journal") is False
+             else None]
     extra = [e for e in extra if e]
     return text + (f" ({', '.join(extra)})" if extra else "")
 
