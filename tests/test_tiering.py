@@ -35,11 +35,16 @@ def setup(m):
     return ns
 
 
+def over_capacity(mount_factory, *tier: str):
+    """A mount of 400 KiB with a lower tier (``tier``: its options), its namespace, and
+    12 blocks of 64 KiB for it: three times the capacity."""
+    m = mount_factory(extra=["--capacity", "400K", *tier])
+    return m, setup(m), [block(i) for i in range(12)]
+
+
 def test_eviction_demotes_and_reads_promote(mount_factory, tmp_path):
     cold = tmp_path / "cold"
-    m = mount_factory(extra=["--capacity", "400K", "--cold", f"dir://{cold}"])
-    ns = setup(m)
-    blocks = [block(i) for i in range(12)]  # 12 x 64 KiB: three times the capacity
+    m, ns, blocks = over_capacity(mount_factory, "--cold", f"dir://{cold}")
     for h, d in blocks:
         put(ns, h, d)
     assert m.stats()["used_bytes"] <= 400 * 1024
@@ -97,9 +102,7 @@ def test_eviction_of_a_published_block_is_a_demotion(mount_factory, tmp_path):
     demotes it: a demotion (its name stays, read back from the tier), not a failure that
     counts against the tier's circuit and drops the name."""
     shared = tmp_path / "shared"
-    m = mount_factory(extra=["--capacity", "400K", "--shared", f"dir://{shared}"])
-    ns = setup(m)
-    blocks = [block(i) for i in range(12)]  # 12 x 64 KiB: three times the capacity
+    m, ns, blocks = over_capacity(mount_factory, "--shared", f"dir://{shared}")
     for h, d in blocks:
         put(ns, h, d)
         key = shared / "t" / "m@0123456789abcdef" / hashing.block_relpath(h)
