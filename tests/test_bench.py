@@ -712,10 +712,12 @@ def test_tools_bench_tiers_seal_figure_publishes_beside_the_fastest_clients_puts
     row = figures["  publish sealed vs the fastest client"]
     assert "presigned PUT + urllib3" in row["baseline"] and row["ratio"] > 0
     # The CPU each GB cost on both sides, the store's counted in: the sender's and the store's
-    # seconds were measured (a daemon and a store that spent nothing would be a broken count).
+    # seconds were measured (senders and a store that spent nothing would be a broken count).
+    # CPU time comes in 10 ms ticks: at this scale one sender's share may round to none.
     cpu = seal["cpu_per_gb"]
     assert set(cpu) == {"sealed", "plain", "client"}
-    assert all(c["sender"] > 0 and c["store"] > 0 for c in cpu.values()), cpu
+    assert all(c["sender"] >= 0 and c["store"] > 0 for c in cpu.values()), cpu
+    assert sum(c["sender"] for c in cpu.values()) > 0, cpu
     row = figures["  CPU per GB published, sealed"]
     assert "store" in row["value"] and "the fastest client" in row["baseline"] and row["ratio"] > 0
 
