@@ -157,10 +157,7 @@ class S3Tier(Tier):
             except ParamValidationError as exc:
                 if not conditional:
                     raise self._error("put", key, exc) from exc
-                log.warning("%s tier: this botocore cannot send If-None-Match; "
-                            "using HEAD then PUT", self.name)
-                self._conditional = False
-                if self.size(key) is not None:
+                if self._no_conditionals(key, "this botocore cannot send If-None-Match"):
                     return False
             except ClientError as exc:
                 status, code = _status(exc), _code(exc)
@@ -169,16 +166,20 @@ class S3Tier(Tier):
                 if status == 409 and code == "ConditionalRequestConflict":
                     continue  # a concurrent conditional write of this key: ask again
                 if conditional and (status == 501 or code == "NotImplemented"):
-                    log.warning("%s tier: the store does not support conditional PUT; "
-                                "using HEAD then PUT", self.name)
-                    self._conditional = False
-                    if self.size(key) is not None:
+                    if self._no_conditionals(key, "the store does not support conditional PUT"):
                         return False
                     continue
                 raise self._error("put", key, exc) from exc
             except (BotoCoreError, OSError) as exc:
                 raise self._error("put", key, exc) from exc
         return False
+
+    def _no_conditionals(self, key: str, why: str) -> bool:
+        """Conditional PUTs refused (``why``): from now on HEAD, then a plain PUT. Whether
+        `key` is there already (then nothing is sent)."""
+        log.warning("%s tier: %s; using HEAD then PUT", self.name, why)
+        self._conditional = False
+        return self.size(key) is not None
 
     def _put_presigned(self, key: str, src: str | bytes | bytearray) -> bool | None:
         """The PUT as a presigned URL sent with http.client on this thread's connection (on
@@ -212,10 +213,7 @@ class S3Tier(Tier):
             if resp.status == 409 and b"ConditionalRequestConflict" in text:
                 continue  # a concurrent conditional write of this key: ask again
             if self._conditional and resp.status == 501:
-                log.warning("%s tier: the store does not support conditional PUT; "
-                            "using HEAD then PUT", self.name)
-                self._conditional = False
-                if self.size(key) is not None:
+                if self._no_conditionals(key, "the store does not support conditional PUT"):
                     return False
                 continue
             if resp.status < 500 or attempt + 1 >= self._max_attempts:
