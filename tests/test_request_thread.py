@@ -1,8 +1,10 @@
 """The mount's request thread (kvfs.daemon._passthrough, through a real mount): the read-only
-opens of complete hot files the daemon delegated to it, their releases and their attributes
-are answered in C, and nothing the daemon promises weakens: every change to a file is seen at
-its next open and stat, its reads count, a file it opened is not evicted, and the mount ends
-cleanly with files it opened still open.
+opens of complete hot files the daemon delegated to it, their releases and their attributes,
+and the lookups of names missing from model directories, are answered in C, and nothing the
+daemon promises weakens: every change to a file is seen at its next open and stat, its reads
+count, a file it opened is not evicted, a miss is counted once per name (and not at all for
+a name then created), a name the daemon knows is never missed, and the mount ends cleanly
+with files it opened still open.
 
 Each test checks first that the mount passes files through (`passthrough_on`, which skips
 where the kernel or `--no-passthrough` turns it off: then there is no request thread).
@@ -211,3 +213,100 @@ def test_a_temporary_renamed_into_place_is_opened_by_the_thread(mount, ns):
     assert (ns / "page").read_bytes() == data
     after = requests(mount)
     assert delta(after, before, "thread_open") == 1 and delta(after, before, "open") == 1
+
+
+def misses(mount) -> int:
+    return mount.stats()["tenants"]["t"]["ns"]["mount_misses"]
+
+
+def test_missing_names_are_answered_by_the_thread_and_counted_once(mount, ns):
+    """The first miss in a model directory is the daemon's, and hands the directory over;
+    the thread answers the next ones (ENOENT), each name counted once as the daemon counts
+    it, and a name then created not at all."""
+    assert not (ns / "first").exists()
+    assert mount.stats()["passthrough"]["directories"] == 1
+    m0, r0 = misses(mount), requests(mount)
+    own = delta(requests(mount), r0, "lookup")  # what reading the counters costs
+    r0 = requests(mount)
+    for i in range(20):
+        assert not (ns / f"k{i}").exists()
+        assert not (ns / f"k{i}").exists()  # again: the same miss
+    r1 = requests(mount)
+    assert delta(r1, r0, "thread_lookup") == 40 and delta(r1, r0, "lookup") == own
+    assert misses(mount) - m0 == 20
+    # An engine's way: a miss, then the block computed and written under that name.
+    assert not (ns / "k0").exists()
+    (ns / "k0").write_bytes(b"x" * 1000)
+    # A create with no lookup of its own before it: the kernel's lookup is no miss.
+    (ns / "new").write_bytes(b"y" * 1000)
+    with pytest.raises(FileExistsError):
+        os.open(ns / "new", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    assert misses(mount) - m0 == 20
+    assert (ns / "k0").read_bytes() == b"x" * 1000 and (ns / "new").exists()
+    out = kvfs("status", str(mount.mnt)).stdout
+    assert " 1 directories whose misses it answers" in out, out
+    assert "Traceback" not in mount.log_text()
+
+
+def test_a_name_the_backing_directory_has_is_the_daemons_to_answer(mount, ns):
+    """The thread answers only for names its backing directory lacks: a file, a directory
+    and a stray entry that the index does not know (left in the backing tree) all go to the
+    daemon, which finds the first two and refuses the stray."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping the kernel's caches needs root")
+    assert not (ns / "first").exists()  # handed over
+    (ns / "f").write_bytes(b"f")
+    (ns / "sub").mkdir()
+    (mount.backing / "t" / "ns" / "stray").write_bytes(b"s")
+    drop_dentries()
+    assert ns.is_dir()  # (its path looked up again)
+    r0 = requests(mount)
+    own = delta(requests(mount), r0, "lookup")
+    r0 = requests(mount)
+    assert not (ns / "stray").exists()
+    assert delta(requests(mount), r0, "lookup") == own + 1
+    r0 = requests(mount)
+    assert (ns / "sub").is_dir()
+    assert delta(requests(mount), r0, "lookup") == own + 1
+    assert (ns / "f").read_bytes() == b"f"
+    # In a subdirectory (a fan-out directory of a model) the same holds once handed over.
+    assert not (ns / "sub" / "a").exists() and not (ns / "sub" / "b").exists()
+    assert mount.stats()["passthrough"]["directories"] == 2
+    assert "Traceback" not in mount.log_text()
+
+
+def test_a_removed_directory_is_taken_back(mount, ns):
+    """A directory removed is no longer answered for; one made again under its name (a new
+    inode) starts with the daemon."""
+    d = ns / "sub"
+    d.mkdir()  # (the kernel's lookup of "sub" before it, a miss, hands `ns` over)
+    assert not (d / "x").exists()
+    assert mount.stats()["passthrough"]["directories"] == 2
+    d.rmdir()
+    assert mount.stats()["passthrough"]["directories"] == 1
+    d.mkdir()
+    r0 = requests(mount)
+    own = delta(requests(mount), r0, "lookup")
+    r0 = requests(mount)
+    assert not (d / "x").exists()
+    assert delta(requests(mount), r0, "lookup") == own + 1
+    (d / "x").write_bytes(b"x")
+    assert (d / "x").read_bytes() == b"x"
+
+
+def test_with_a_lower_tier_every_miss_is_the_daemons(mount_factory, tmp_path):
+    """Below the hot tier a block is indexed without a backing file, and a missing name may
+    be fetched: no directory is handed over."""
+    cold = tmp_path / "cold"
+    cold.mkdir()
+    m = mount_factory(extra=["--cold", f"dir://{cold}"])
+    passthrough_on(m)
+    d = m.mnt / "t" / "ns"
+    d.mkdir(parents=True)
+    r0 = requests(m)
+    own = delta(requests(m), r0, "lookup")
+    r0 = requests(m)
+    for i in range(5):
+        assert not (d / f"k{i}").exists()
+    assert delta(requests(m), r0, "lookup") == own + 5
+    assert m.stats()["passthrough"]["directories"] == 0

@@ -282,6 +282,14 @@ def _open_close(path: str) -> None:
     os.close(os.open(path, os.O_RDONLY))
 
 
+def _missing(path: str) -> None:
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return
+    raise AssertionError(f"{path} exists")
+
+
 def round_trip(mount: Mount, plain: str, n: int, root: str = "") -> dict[str, float]:
     """Microseconds of one `fstat` through the mount on a file whose attributes the kernel
     may not cache (the daemon's `.kvfs/version`: a FUSE getattr answered with no work),
@@ -289,7 +297,9 @@ def round_trip(mount: Mount, plain: str, n: int, root: str = "") -> dict[str, fl
     answers (`thread`: a `getxattr` outside `user.`, which the kernel does not cache), and of
     an open and close of a file it opens (`thread_open`, in the tenant directory `root`),
     against the same on the plain side (`plain_open`): OPEN is waited for, and the close
-    wakes the thread for the RELEASE."""
+    wakes the thread for the RELEASE. And the `stat` of a name missing from a model
+    directory (`miss`, a LOOKUP answered ENOENT; the second of a directory, whose first
+    may hand it over to the request thread), against the plain side's (`plain_miss`)."""
     out = {}
     path = os.path.join(plain, "rt")
     with open(path, "w") as f:
@@ -301,6 +311,13 @@ def round_trip(mount: Mount, plain: str, n: int, root: str = "") -> dict[str, fl
             out[side] = _best_us(lambda fd=fd: os.fstat(fd), n)
         finally:
             os.close(fd)
+    if root:
+        model = os.path.join(root, "rt-model")
+        os.mkdir(model)
+        _missing(os.path.join(model, "missing"))
+        out["miss"] = _best_us(lambda: _missing(os.path.join(model, "missing")), n)
+        out["plain_miss"] = _best_us(lambda: _missing(os.path.join(plain, "missing")), n)
+        os.rmdir(model)
     if root and (mount.stats().get("passthrough") or {}).get("request_thread"):
         fd = os.open(version, os.O_RDONLY)
         try:  # on the fd: a path would cost the lookups of its names too
@@ -549,6 +566,11 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
                          "kvfs": round(rt["thread_open"], 1),
                          "baseline": round(rt["plain_open"], 2), "baseline_name": "plain",
                          "ratio": round(rt["thread_open"] / rt["plain_open"], 1)})
+        if rt.get("miss"):
+            rows.append({"figure": f"{tag}lookup of a missing name (stat)", "unit": "us",
+                         "kvfs": round(rt["miss"], 1), "baseline": round(rt["plain_miss"], 2),
+                         "baseline_name": "plain", "ratio": round(rt["miss"] / rt["plain_miss"],
+                                                                   1)})
         small = v["patterns"].get("small") or {}
         for what, label in (("write", "create+write+close"), ("warm", "open+read+close (warm)")):
             per = small.get(f"{what}_per_file")

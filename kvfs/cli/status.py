@@ -36,6 +36,7 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
             answered = sum(v for k, v in (stats.get("requests") or {}).items()
                            if k.startswith("thread_"))
             lines.append(f"request thread: {pt['delegated']} files it opens itself, "
+                         f"{pt.get('directories', 0)} directories whose misses it answers, "
                          f"{answered} requests answered, {pt['forwarded']} passed on")
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:

@@ -62,6 +62,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/uio.h>
 #include <sys/vfs.h>
 #include <time.h>
@@ -398,6 +399,95 @@ static int reply(uint64_t unique, int error, const void *body, size_t len)
     return real_writev(dev_fd, iov, len ? 2 : 1) < 0 ? -1 : 0;
 }
 
+/* The directories whose missing names the thread answers: open addressing by inode with
+ * backward-shift deletion (no tombstones), DIR_SLOTS slots, at most half of them used (the
+ * daemon takes back the oldest first). Each holds an fd of its backing directory. */
+#define DIR_SLOTS 4096
+/* Names missed recently: one slot per hash of (directory, name), the newest kept. */
+#define RECENT_SLOTS 4096
+
+struct dir { uint64_t ino; int64_t misses; int fd; int used; };
+struct recent { uint64_t hash; int64_t first_ns; uint32_t count; };
+
+static struct dir dirs[DIR_SLOTS];  /* guarded by table_lock */
+static size_t dirs_used;
+static struct recent recent[RECENT_SLOTS];
+static int64_t miss_window_ns = 60ll * 1000000000;
+static unsigned long long missed;   /* LOOKUPs answered ENOENT */
+
+static void dirs_reset(void)
+{
+    for (size_t i = 0; i < DIR_SLOTS; i++)
+        if (dirs[i].used)
+            close(dirs[i].fd);
+    memset(dirs, 0, sizeof(dirs));
+    memset(recent, 0, sizeof(recent));
+    dirs_used = 0;
+    missed = 0;
+}
+
+#define DIR_MASK (DIR_SLOTS - 1)
+static size_t dir_home(uint64_t ino) { return (size_t)(ino * 0x9E3779B97F4A7C15ull) & DIR_MASK; }
+
+/* `ino`'s slot, or NULL; `free_slot` gets where it would go. */
+static struct dir *dir_find(uint64_t ino, struct dir **free_slot)
+{
+    for (size_t n = 0, i = dir_home(ino); n < DIR_SLOTS; n++, i = (i + 1) & DIR_MASK) {
+        if (!dirs[i].used) {
+            if (free_slot)
+                *free_slot = &dirs[i];
+            return NULL;
+        }
+        if (dirs[i].ino == ino)
+            return &dirs[i];
+    }
+    return NULL;
+}
+
+/* Take `d` out (its fd closed), moving back each later entry of the run that may fill the
+ * gap (one whose home slot is no nearer to it than the gap is). */
+static void dir_remove(struct dir *d)
+{
+    size_t i = (size_t)(d - dirs);
+    close(d->fd);
+    dirs_used--;
+    for (size_t j = (i + 1) & DIR_MASK; dirs[j].used; j = (j + 1) & DIR_MASK) {
+        if (((j - dir_home(dirs[j].ino)) & DIR_MASK) >= ((j - i) & DIR_MASK)) {
+            dirs[i] = dirs[j];
+            i = j;
+        }
+    }
+    memset(&dirs[i], 0, sizeof(dirs[i]));
+}
+
+/* A LOOKUP of `name` in directory `ino` that the ready table cannot answer: ENOENT if `ino` is
+ * a handed-over directory whose backing directory has no such entry (1), else the daemon's (0). */
+static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_t len)
+{
+    if (!len || len > NAME_MAX_ || (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'))))
+        return 0;
+    struct dir *d = dir_find(ino, NULL);
+    if (!d)
+        return 0;
+    struct stat st;
+    if (fstatat(d->fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 || errno != ENOENT)
+        return 0;
+    uint64_t h = name_hash(ino, name, len);
+    struct recent *r = &recent[h & (RECENT_SLOTS - 1)];
+    int64_t t = now_ns();
+    if (r->hash == h && r->count && t - r->first_ns <= miss_window_ns) {
+        r->count++;
+    } else {
+        r->hash = h;
+        r->first_ns = t;
+        r->count = 1;
+        d->misses++;
+    }
+    missed++;
+    reply(unique, ENOENT, NULL, 0);
+    return 1;
+}
+
 /* The request in `req` answered here (1), or left to the daemon (0). Called with the lock. */
 static int answer(const unsigned char *req, size_t len)
 {
@@ -421,7 +511,7 @@ static int answer(const unsigned char *req, size_t len)
             return 0;
         struct entry *e = find_name(ino, (const char *)in, n);
         if (!e || !e->backing_id)
-            return 0;
+            return lookup_missing(unique, ino, (const char *)in, n);
         /* fuse_entry_out: nodeid, generation, entry_valid, attr_valid, their nsec, attr */
         unsigned char out[ENTRY_OUT];
         memset(out, 0, 40);
@@ -692,7 +782,8 @@ static PyObject *py_hook(PyObject *self, PyObject *args)
     int fd, route = 0;
     unsigned int depth;
     Py_ssize_t slots = 1 << 15;
-    if (!PyArg_ParseTuple(args, "iI|pn", &fd, &depth, &route, &slots))
+    double window = 60.0;
+    if (!PyArg_ParseTuple(args, "iI|pnd", &fd, &depth, &route, &slots, &window))
         return NULL;
     if (depth < 1 || depth > 2) {
         PyErr_SetString(PyExc_ValueError, "max_stack_depth must be 1 or 2");
@@ -752,6 +843,8 @@ static PyObject *py_hook(PyObject *self, PyObject *args)
     table_used = table_live = names_used = 0;
     memset(answered, 0, sizeof(answered));
     forwarded = 0;
+    dirs_reset();
+    miss_window_ns = (int64_t)(window * 1e9);
     pthread_mutex_unlock(&table_lock);
     if (!table)
         return PyErr_NoMemory();
@@ -790,6 +883,7 @@ static PyObject *py_unhook(PyObject *self, PyObject *noargs)
     table = NULL;
     names = NULL;
     table_slots = table_used = table_live = names_used = 0;
+    dirs_reset();
     pthread_mutex_unlock(&table_lock);
     fuse_fd = dev_fd = -1;
     init_armed = armed = 0;
@@ -965,6 +1059,100 @@ static PyObject *py_ready_harvest(PyObject *self, PyObject *noargs)
     return out;
 }
 
+static PyObject *py_dir_put(PyObject *self, PyObject *args)
+{
+    /* True: the thread answers missing names of directory `ino` from now on and owns `fd` */
+    unsigned long long ino;
+    int fd;
+    if (!PyArg_ParseTuple(args, "Ki", &ino, &fd))
+        return NULL;
+    int put = 0;
+    pthread_mutex_lock(&table_lock);
+    struct dir *slot = NULL;
+    if (thread_running && fd >= 0 && !dir_find(ino, &slot) && slot &&
+        dirs_used < DIR_SLOTS / 2) {
+        slot->ino = ino;
+        slot->fd = fd;
+        slot->misses = 0;
+        slot->used = 1;
+        dirs_used++;
+        put = 1;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyBool_FromLong(put);
+}
+
+static PyObject *py_dir_drop(PyObject *self, PyObject *args)
+{
+    /* the misses counted in `ino` since the last harvest (its fd closed), or None */
+    unsigned long long ino;
+    if (!PyArg_ParseTuple(args, "K", &ino))
+        return NULL;
+    long long misses = -1;
+    pthread_mutex_lock(&table_lock);
+    struct dir *d = dir_find(ino, NULL);
+    if (d) {
+        misses = d->misses;
+        dir_remove(d);
+    }
+    pthread_mutex_unlock(&table_lock);
+    if (misses < 0)
+        Py_RETURN_NONE;
+    return PyLong_FromLongLong(misses);
+}
+
+static PyObject *py_dir_harvest(PyObject *self, PyObject *noargs)
+{
+    /* [(directory inode, misses counted since the last harvest)] */
+    unsigned long long got[DIR_SLOTS / 2][2];
+    size_t k = 0;
+    pthread_mutex_lock(&table_lock);
+    for (size_t i = 0; i < DIR_SLOTS && k < DIR_SLOTS / 2; i++) {
+        if (dirs[i].used && dirs[i].misses) {
+            got[k][0] = dirs[i].ino;
+            got[k][1] = (unsigned long long)dirs[i].misses;
+            dirs[i].misses = 0;
+            k++;
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+    PyObject *out = PyList_New((Py_ssize_t)k);
+    for (size_t i = 0; out && i < k; i++) {
+        PyObject *t = Py_BuildValue("(KL)", got[i][0], (long long)got[i][1]);
+        if (!t) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    return out;
+}
+
+static PyObject *py_miss_take(PyObject *self, PyObject *args)
+{
+    /* (seconds since the first, LOOKUPs) of the thread's recent misses of `name` in `parent`,
+     * forgotten; or None */
+    unsigned long long parent;
+    Py_buffer name;
+    if (!PyArg_ParseTuple(args, "Ky*", &parent, &name))
+        return NULL;
+    uint64_t h = name_hash(parent, name.buf, (size_t)name.len);
+    double age = -1;
+    unsigned long count = 0;
+    pthread_mutex_lock(&table_lock);
+    struct recent *r = &recent[h & (RECENT_SLOTS - 1)];
+    if (r->count && r->hash == h) {
+        age = (double)(now_ns() - r->first_ns) / 1e9;
+        count = r->count;
+        memset(r, 0, sizeof(*r));
+    }
+    pthread_mutex_unlock(&table_lock);
+    PyBuffer_Release(&name);
+    if (age < 0)
+        Py_RETURN_NONE;
+    return Py_BuildValue("(dk)", age, count);
+}
+
 static PyObject *py_state(PyObject *self, PyObject *noargs)
 {
     PyObject *ops = PyDict_New();
@@ -976,8 +1164,8 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         {OP_READ, "read"}, {OP_LOOKUP, "lookup"}};
     enum { N = sizeof(names) / sizeof(names[0]) };
     pthread_mutex_lock(&table_lock);
-    unsigned long long counts[N], fwd = forwarded;
-    size_t live = table_live;
+    unsigned long long counts[N], fwd = forwarded, miss = missed;
+    size_t live = table_live, ndirs = dirs_used;
     for (int i = 0; i < N; i++)
         counts[i] = answered[names[i].op];
     pthread_mutex_unlock(&table_lock);
@@ -990,13 +1178,14 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         }
         Py_DECREF(v);
     }
-    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n}",
+    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n,s:K,s:n}",
                          "init_seen", init_seen ? Py_True : Py_False,
                          "init_offered", init_offered ? Py_True : Py_False,
                          "init_flags", init_flags, "init_minor", init_minor,
                          "opens_patched", opens_patched, "opens_missed", opens_missed,
                          "routed", thread_running ? Py_True : Py_False,
-                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live);
+                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live,
+                         "lookups_missed", miss, "dirs", (Py_ssize_t)ndirs);
 }
 
 static PyObject *py_fstype(PyObject *self, PyObject *args)
@@ -1017,7 +1206,8 @@ static PyObject *py_fstype(PyObject *self, PyObject *args)
 
 static PyMethodDef methods[] = {
     {"hook", py_hook, METH_VARARGS,
-     "hook(fuse_fd, max_stack_depth, route=False, slots=32768) -> device fd: route libfuse's "
+     "hook(fuse_fd, max_stack_depth, route=False, slots=32768, miss_window=60.0) -> device "
+     "fd: route libfuse's "
      "replies on fuse_fd through kvfs (the next reply, INIT, offers passthrough); with route, "
      "a request thread reads the device and answers what it can (see the C source)"},
     {"unhook", py_unhook, METH_NOARGS,
@@ -1039,6 +1229,17 @@ static PyMethodDef methods[] = {
     {"ready_harvest", py_ready_harvest, METH_NOARGS,
      "ready_harvest() -> [(inode, opens, last_ns, lookups)]: the thread's answers since the "
      "last call"},
+    {"dir_put", py_dir_put, METH_VARARGS,
+     "dir_put(inode, fd) -> bool: the thread answers LOOKUPs of names missing from directory "
+     "inode (fd: its backing directory, the module's to close from then on)"},
+    {"dir_drop", py_dir_drop, METH_VARARGS,
+     "dir_drop(inode) -> misses not harvested, or None: no more (its fd closed)"},
+    {"dir_harvest", py_dir_harvest, METH_NOARGS,
+     "dir_harvest() -> [(inode, misses)]: the misses counted in each directory since the last "
+     "call (one per name within the miss window)"},
+    {"miss_take", py_miss_take, METH_VARARGS,
+     "miss_take(parent, name) -> (seconds since its first miss, LOOKUPs) or None: the "
+     "thread's recent misses of name, forgotten"},
     {"state", py_state, METH_NOARGS, "state(): what the hooks and the thread have seen and done"},
     {"fstype", py_fstype, METH_VARARGS, "fstype(path): statfs(2)'s f_type"},
     {NULL, NULL, 0, NULL},

@@ -176,3 +176,25 @@ class Door:
             node = tree.index.find(inode)
             if node is not None:
                 tree.residency.record_use(node, last_ns / 1e9)
+        for key, misses in tree.passthrough.harvest_misses():
+            tree.stats.by_ns[key].mount_misses += misses
+
+    async def hand_dir(self, parent: Node) -> None:
+        """A name was missing from model directory `parent`, listed (no backing entry waits
+        to be indexed): where every name its index holds has its backing entry (no lower
+        tier, whose blocks are indexed without one), the request thread answers its next
+        missing names itself, from an fd of its backing directory (strict resolution: a
+        swap of the path later changes nothing)."""
+        tree = self.tree
+        pt = tree.passthrough
+        if (not pt.routed or tree.tiering is not None or not parent.is_dir or not parent.ns
+                or parent.inode in pt.dirs):
+            return
+        try:
+            fd = await tree.io(tree.store.opendir, tree.path(parent), tenant=parent.tenant)
+        except (OSError, FUSEError):
+            return
+        now = tree.index.find(parent.inode)
+        if (now is None or now.parent != parent.parent or now.name != parent.name
+                or not pt.hand_dir(parent.inode, tree.key(parent), fd)):
+            os.close(fd)  # gone or moved meanwhile, or handed over by another lookup

@@ -168,6 +168,8 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 found = await self.promotion.lookup_below(parent_inode, name)
             if found is None:
+                if parent_inode not in self.adoption.unlisted:
+                    await self.door.hand_dir(self.index.get(parent_inode))
                 raise FUSEError(errno.ENOENT)
             node = found
         self.tree.ref(node.inode)

@@ -210,6 +210,9 @@ class Index:
         # Told of every node whose row changes, before the change (None: any node): the
         # mount's request thread stops answering for it (kvfs.daemon.passthrough `revoke`).
         self.changed: Callable[[int | None], None] = lambda inode: None
+        # Told of every node taken out of the namespace (deleted or orphaned): the request
+        # thread stops answering for the directory (kvfs.daemon.passthrough `take_dir`).
+        self.gone: Callable[[int], None] = lambda inode: None
         create_tables(self.db)
         if self.get_meta("schema_version") is None:
             self.set_meta("schema_version", str(SCHEMA_VERSION))
@@ -435,6 +438,7 @@ class Index:
 
     def delete(self, inode: int) -> None:
         self.changed(inode)
+        self.gone(inode)
         row = self.db.execute("DELETE FROM nodes WHERE inode=? RETURNING parent",
                               (inode,)).fetchone()
         if row is not None:
@@ -444,6 +448,7 @@ class Index:
         """Take a node out of the namespace (its directory: `parent`), keeping the row for
         the kernel's references."""
         self.changed(inode)
+        self.gone(inode)
         self.changed(parent)
         self.db.execute(
             "UPDATE nodes SET parent=?, name=? WHERE inode=?",

@@ -24,6 +24,7 @@ from .fs import MountInfo, Operations
 from .index import Index
 from .metrics import Metrics
 from .notify import notify
+from .promotion import MISS_WINDOW
 from .settings import DEFAULTS
 from .store import BackingStore
 from .tiers import parse_shared, parse_tier_url
@@ -260,7 +261,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         raise MountError(f"cannot mount {mountpoint}: {exc}") from None
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
     passthrough = ops.tree.passthrough
-    passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache)
+    passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache,
+                     miss_window=MISS_WINDOW)
     # Ends the mount if this process dies without unmounting (see kvfs.daemon.watchdog).
     watch_fd = watchdog.start(mountpoint)
     if ready is not None:

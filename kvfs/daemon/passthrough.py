@@ -14,11 +14,15 @@ What the daemon has decided once it need not decide again: the module's request 
 complete hot files the daemon *delegated* to it (`delegate`, after the daemon's own
 passthrough open of one, or the last close of its writer), until the daemon takes one back
 (`revoke`: before anything about it changes, see `Index.changed`). The opens it answered are
-collected (`harvest`) and counted as the daemon counts its own.
+collected (`harvest`) and counted as the daemon counts its own. It also answers the lookups
+of names missing from the directories *handed over* to it (`hand_dir`: model namespaces of
+a mount without lower tiers, where every indexed name has its backing entry), from an fd of
+the backing directory, until the directory goes (`take_dir`); the misses it counted are
+collected the same way (`harvest_misses`).
 
 State (event loop only): `ids` (inode -> [backing id, references: passthrough handles, and
 one while the inode is delegated or its delegated opens are still open]), `delegated`
-(inode -> (stats key, size)), `lingering`, `status`.
+(inode -> (stats key, size)), `lingering`, `dirs` (inode -> stats key), `status`.
 """
 
 from __future__ import annotations
@@ -59,6 +63,9 @@ INIT_WAIT = 10.0
 #: kernel (no fd of the daemon's).
 TABLE_SLOTS = 1 << 15
 MAX_DELEGATED = TABLE_SLOTS // 2
+#: Directories handed over at most (the module's table has twice the slots), the least
+#: recently handed over taken back first. Each holds an fd of its backing directory.
+MAX_DIRS = 2048
 #: struct fuse_attr (include/uapi/linux/fuse.h): ino, size, blocks, atime, mtime, ctime,
 #: their nanoseconds, mode, nlink, uid, gid, rdev, blksize, flags.
 FUSE_ATTR = struct.Struct("=QQQQQQIIIIIIIIII")
@@ -137,12 +144,16 @@ class Passthrough:
     # Revoked while opens the thread gave out are open: their backing id is kept (the kernel
     # wants every passthrough open of an inode on one backing file) until they are released.
     lingering: dict[int, tuple[Any, int]] = field(default_factory=dict)
+    # Directories whose missing names the request thread answers: inode -> stats key, oldest
+    # first; and the misses it counted in those taken back since the last harvest.
+    dirs: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+    unharvested_misses: list[tuple[Any, int]] = field(default_factory=list)
 
     @property
     def on(self) -> bool:
         return self.state == "on"
 
-    def hook(self, backing: str, *, writeback_cache: bool) -> None:
+    def hook(self, backing: str, *, writeback_cache: bool, miss_window: float = 60.0) -> None:
         """After pyfuse3.init, before the session runs: have the INIT reply offer passthrough."""
         if not self.wanted:
             return
@@ -156,7 +167,7 @@ class Passthrough:
             depth = 2 if _passthrough.fstype(backing) in STACKED else 1
             fd = fuse_fd()
             try:
-                self.dev = _passthrough.hook(fd, depth, True, TABLE_SLOTS)
+                self.dev = _passthrough.hook(fd, depth, True, TABLE_SLOTS, miss_window)
                 self.routed = True
             except OSError as exc:
                 log.warning("no request thread (%s): every request goes through the daemon's "
@@ -211,6 +222,8 @@ class Passthrough:
             self.lingering.clear()
             self.attributes.clear()
             self.unharvested.clear()
+            self.dirs.clear()  # (their fds closed by unhook)
+            self.unharvested_misses.clear()
         if self.state != "off":
             self.state, self.reason = "off", "unmounted"
 
@@ -267,9 +280,12 @@ class Passthrough:
             self.delegated[inode] = (key, size)
 
     def revoke(self, inode: int | None) -> None:
-        """The request thread answers no more opens of `inode` (None: of any): called before
-        anything about it changes. Opens it gave out stay open; the backing id is kept for
-        them until they are released (`harvest`)."""
+        """The request thread answers no more opens of `inode` (None: of any, nor any
+        directory's missing names): called before anything about it changes. Opens it gave
+        out stay open; the backing id is kept for them until they are released (`harvest`)."""
+        if inode is None and self.dirs:
+            for i in list(self.dirs):
+                self.take_dir(i)
         if self.attributes and (inode is None or inode in self.attributes):
             for i in list(self.attributes) if inode is None else (inode,):
                 _passthrough.ready_drop(i)
@@ -290,6 +306,47 @@ class Passthrough:
                 self.lingering[i] = got
             else:
                 self.release(i)
+
+    def hand_dir(self, inode: int, key: Any, fd: int) -> bool:
+        """Let the request thread answer LOOKUPs of names missing from directory `inode`
+        (ENOENT where its backing directory, `fd`, has no such entry; a miss counted for
+        `key`), until `take_dir`. True: the module owns `fd` now; False: the caller closes
+        it (not routed, or handed over already)."""
+        if not self.routed:
+            return False
+        if inode in self.dirs:
+            self.dirs.move_to_end(inode)
+            return False
+        while len(self.dirs) >= MAX_DIRS:
+            self.take_dir(next(iter(self.dirs)))
+        if not _passthrough.dir_put(inode, fd):
+            return False
+        self.dirs[inode] = key
+        return True
+
+    def take_dir(self, inode: int) -> None:
+        """The request thread answers no more missing names of directory `inode` (it is
+        removed, or the oldest handed over); its misses are kept for the next harvest."""
+        key = self.dirs.pop(inode, None)
+        if key is not None:
+            misses = _passthrough.dir_drop(inode)
+            if misses:
+                self.unharvested_misses.append((key, misses))
+
+    def harvest_misses(self) -> list[tuple[Any, int]]:
+        """(stats key, misses) the request thread counted since the last harvest."""
+        out, self.unharvested_misses = self.unharvested_misses, []
+        if self.routed:
+            for inode, misses in _passthrough.dir_harvest():
+                key = self.dirs.get(inode)
+                if key is not None:
+                    out.append((key, misses))
+        return out
+
+    def take_miss(self, parent: int, name: bytes) -> tuple[float, int] | None:
+        """(seconds since, LOOKUPs) of the request thread's recent misses of `name` in
+        `parent`, forgotten (a create of it follows); None if it has none."""
+        return _passthrough.miss_take(parent, name) if self.routed else None
 
     def put_attrs(self, inode: int, attrs: Any) -> None:
         """Let the request thread answer GETATTR of directory `inode` with `attrs` (its
@@ -361,7 +418,7 @@ class Passthrough:
                 "replies_patched": st.get("opens_patched", 0),
                 "replies_missed": st.get("opens_missed", 0),
                 "request_thread": bool(st.get("routed")), "delegated": len(self.delegated),
-                "forwarded": st.get("forwarded", 0)}
+                "directories": len(self.dirs), "forwarded": st.get("forwarded", 0)}
 
     def thread_requests(self) -> dict[str, int]:
         """Requests the request thread answered, by kind (stats.json `requests`, as

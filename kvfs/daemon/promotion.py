@@ -82,7 +82,11 @@ class Promotion:
         """A name is being created. If its only failed lookup was the kernel's, just before
         the create (a temporary, a new directory), that was no cache miss: take it back."""
         seen = self._recent_misses.pop((parent.inode, name), None)
-        if seen is not None and seen[1] == 1 and time.monotonic() - seen[0] < CREATE_WINDOW:
+        if seen is not None:
+            age, lookups = time.monotonic() - seen[0], seen[1]
+        else:  # or one the request thread answered (kvfs.daemon.passthrough `hand_dir`)
+            age, lookups = self.tree.passthrough.take_miss(parent.inode, name) or (0.0, 0)
+        if lookups == 1 and age < CREATE_WINDOW:
             self.tree.stats.by_ns[self.tree.key(parent)].mount_misses -= 1
 
     async def fan_dir(self, ns_node: Node, name: bytes) -> Node:

@@ -212,6 +212,7 @@ class Tree:
         self.index = index
         self.passthrough = Passthrough(wanted=passthrough)
         index.changed = self.passthrough.revoke  # nothing changes under the request thread
+        index.gone = self.passthrough.take_dir
         self.writeback_cache = writeback_cache
         self.keep_cache = keep_cache
         self.store = store
