@@ -444,12 +444,24 @@ static struct dir *dir_find(uint64_t ino, struct dir **free_slot)
     return NULL;
 }
 
+/* The fd the request thread is looking a name up in, without the lock, and whether the
+ * daemon took its directory back meanwhile (then the thread closes it when done). */
+static int busy_fd = -1, busy_closed;
+
+static void dir_close(struct dir *d)
+{
+    if (d->fd == busy_fd)
+        busy_closed = 1;
+    else
+        close(d->fd);
+}
+
 /* Take `d` out (its fd closed), moving back each later entry of the run that may fill the
  * gap (one whose home slot is no nearer to it than the gap is). */
 static void dir_remove(struct dir *d)
 {
     size_t i = (size_t)(d - dirs);
-    close(d->fd);
+    dir_close(d);
     dirs_used--;
     for (size_t j = (i + 1) & DIR_MASK; dirs[j].used; j = (j + 1) & DIR_MASK) {
         if (((j - dir_home(dirs[j].ino)) & DIR_MASK) >= ((j - i) & DIR_MASK)) {
@@ -461,7 +473,9 @@ static void dir_remove(struct dir *d)
 }
 
 /* A LOOKUP of `name` in directory `ino` that the ready table cannot answer: ENOENT if `ino` is
- * a handed-over directory whose backing directory has no such entry (1), else the daemon's (0). */
+ * a handed-over directory whose backing directory has no such entry (1), else the daemon's
+ * (0). Called with the lock, which it lets go during the fstatat: a directory block read
+ * from the disk must not hold up the daemon's own calls into this module. */
 static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_t len)
 {
     if (!len || len > NAME_MAX_ || (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'))))
@@ -469,15 +483,24 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
     struct dir *d = dir_find(ino, NULL);
     if (!d)
         return 0;
+    busy_fd = d->fd;
+    busy_closed = 0;
+    pthread_mutex_unlock(&table_lock);
     struct stat st;
-    if (fstatat(d->fd, name, &st, AT_SYMLINK_NOFOLLOW) == 0 || errno != ENOENT)
+    int missing = fstatat(busy_fd, name, &st, AT_SYMLINK_NOFOLLOW) != 0 && errno == ENOENT;
+    pthread_mutex_lock(&table_lock);
+    if (busy_closed)
+        close(busy_fd);
+    busy_fd = -1;
+    if (!missing)
         return 0;
+    d = dir_find(ino, NULL);  /* (taken back meanwhile: a miss all the same, not counted) */
     uint64_t h = name_hash(ino, name, len);
     struct recent *r = &recent[h & (RECENT_SLOTS - 1)];
     int64_t t = now_ns();
     if (r->hash == h && r->count && t - r->first_ns <= miss_window_ns) {
         r->count++;
-    } else {
+    } else if (d) {
         r->hash = h;
         r->first_ns = t;
         r->count = 1;
