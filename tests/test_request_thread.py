@@ -294,19 +294,27 @@ def test_a_removed_directory_is_taken_back(mount, ns):
     assert (d / "x").read_bytes() == b"x"
 
 
-def test_with_a_lower_tier_every_miss_is_the_daemons(mount_factory, tmp_path):
-    """Below the hot tier a block is indexed without a backing file, and a missing name may
-    be fetched: no directory is handed over."""
+def test_with_a_lower_tier_the_names_of_blocks_stay_the_daemons(mount_factory, tmp_path):
+    """Below the hot tier a block is indexed without a backing file, and a missing block
+    may be fetched (with its fan-out directory): those names stay the daemon's; any other
+    missing name is the thread's."""
     cold = tmp_path / "cold"
     cold.mkdir()
     m = mount_factory(extra=["--cold", f"dir://{cold}"])
     passthrough_on(m)
     d = m.mnt / "t" / "ns"
     d.mkdir(parents=True)
+    assert not (d / "first").exists()
+    assert m.stats()["passthrough"]["directories"] == 1
     r0 = requests(m)
     own = delta(requests(m), r0, "lookup")
     r0 = requests(m)
-    for i in range(5):
-        assert not (d / f"k{i}").exists()
-    assert delta(requests(m), r0, "lookup") == own + 5
-    assert m.stats()["passthrough"]["directories"] == 0
+    names = ["k0", "page_3.bin", "0" * 32 + ".KV", "ab" + "c" * 30]  # none a block's
+    for n in names:
+        assert not (d / n).exists()
+    r1 = requests(m)
+    assert delta(r1, r0, "lookup") == own and delta(r1, r0, "thread_lookup") == len(names)
+    r0 = requests(m)
+    assert (d / "ab").is_dir()  # a fan-out directory: made on demand by the daemon's lookup
+    assert not (d / "ab" / ("ab" + "c" * 30 + ".kv")).exists()  # a block no tier holds
+    assert delta(requests(m), r0, "lookup") == own + 2

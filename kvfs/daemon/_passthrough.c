@@ -39,7 +39,15 @@
  *      - LOOKUP of a delegated file's name in its directory: its entry (the daemon adds the
  *        lookups to its count, `ready_lookups`, before it counts a FORGET);
  *      - GETXATTR of a name outside the `user.` namespace: EOPNOTSUPP, as the daemon answers
- *        (the kernel asks `security.capability` before a file's first write).
+ *        (the kernel asks `security.capability` before a file's first write);
+ *      - LOOKUP of a name missing from a directory the daemon handed over (`dir_put`: one
+ *        whose every indexed name has its backing entry, given as an fd of the backing
+ *        directory; where lower tiers may hold blocks, but for names of blocks and fan-out
+ *        directories): ENOENT when the backing directory has no entry of that name, counted
+ *        as a miss once per name within the daemon's window (`dir_harvest`; `miss_take`
+ *        gives back the miss of a name then created). Any name the backing directory has
+ *        is the daemon's to answer. The kernel sends no LOOKUP into a directory while it
+ *        changes it (it holds the directory's lock), so no create races these answers.
  *    Every other request is sent whole to the socket, where libfuse reads it (`request_read`)
  *    and pyfuse3 serves it as before; replies written on the socket's number go to the
  *    device. The daemon takes an inode out of the table (`ready_drop`) before anything about
@@ -406,7 +414,7 @@ static int reply(uint64_t unique, int error, const void *body, size_t len)
 /* Names missed recently: one slot per hash of (directory, name), the newest kept. */
 #define RECENT_SLOTS 4096
 
-struct dir { uint64_t ino; int64_t misses; int fd; int used; };
+struct dir { uint64_t ino; int64_t misses; int fd; int used; int below; };
 struct recent { uint64_t hash; int64_t first_ns; uint32_t count; };
 
 static struct dir dirs[DIR_SLOTS];  /* guarded by table_lock */
@@ -472,6 +480,22 @@ static void dir_remove(struct dir *d)
     memset(&dirs[i], 0, sizeof(dirs[i]));
 }
 
+static int lower_hex(const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (!((p[i] >= '0' && p[i] <= '9') || (p[i] >= 'a' && p[i] <= 'f')))
+            return 0;
+    return 1;
+}
+
+/* Whether a lower tier may hold `name`: a block file's name (32 lowercase hex digits and
+ * ".kv", kvfs.format.hashing) or a fan-out directory's (2 of them). */
+static int may_be_below(const char *name, size_t len)
+{
+    return (len == 2 && lower_hex(name, 2)) ||
+           (len == 35 && memcmp(name + 32, ".kv", 3) == 0 && lower_hex(name, 32));
+}
+
 /* A LOOKUP of `name` in directory `ino` that the ready table cannot answer: ENOENT if `ino` is
  * a handed-over directory whose backing directory has no such entry (1), else the daemon's
  * (0). Called with the lock, which it lets go during the fstatat: a directory block read
@@ -481,7 +505,7 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
     if (!len || len > NAME_MAX_ || (name[0] == '.' && (len == 1 || (len == 2 && name[1] == '.'))))
         return 0;
     struct dir *d = dir_find(ino, NULL);
-    if (!d)
+    if (!d || (d->below && may_be_below(name, len)))
         return 0;
     busy_fd = d->fd;
     busy_closed = 0;
@@ -1086,8 +1110,8 @@ static PyObject *py_dir_put(PyObject *self, PyObject *args)
 {
     /* True: the thread answers missing names of directory `ino` from now on and owns `fd` */
     unsigned long long ino;
-    int fd;
-    if (!PyArg_ParseTuple(args, "Ki", &ino, &fd))
+    int fd, below = 0;
+    if (!PyArg_ParseTuple(args, "Ki|p", &ino, &fd, &below))
         return NULL;
     int put = 0;
     pthread_mutex_lock(&table_lock);
@@ -1098,6 +1122,7 @@ static PyObject *py_dir_put(PyObject *self, PyObject *args)
         slot->fd = fd;
         slot->misses = 0;
         slot->used = 1;
+        slot->below = below;
         dirs_used++;
         put = 1;
     }
@@ -1253,8 +1278,9 @@ static PyMethodDef methods[] = {
      "ready_harvest() -> [(inode, opens, last_ns, lookups)]: the thread's answers since the "
      "last call"},
     {"dir_put", py_dir_put, METH_VARARGS,
-     "dir_put(inode, fd) -> bool: the thread answers LOOKUPs of names missing from directory "
-     "inode (fd: its backing directory, the module's to close from then on)"},
+     "dir_put(inode, fd, below=False) -> bool: the thread answers LOOKUPs of names missing "
+     "from directory inode (fd: its backing directory, the module's to close from then on); "
+     "with below, not of names a lower tier may hold (blocks', fan-out directories')"},
     {"dir_drop", py_dir_drop, METH_VARARGS,
      "dir_drop(inode) -> misses not harvested, or None: no more (its fd closed)"},
     {"dir_harvest", py_dir_harvest, METH_NOARGS,

@@ -15,8 +15,7 @@ complete hot files the daemon *delegated* to it (`delegate`, after the daemon's 
 passthrough open of one, or the last close of its writer), until the daemon takes one back
 (`revoke`: before anything about it changes, see `Index.changed`). The opens it answered are
 collected (`harvest`) and counted as the daemon counts its own. It also answers the lookups
-of names missing from the directories *handed over* to it (`hand_dir`: model namespaces of
-a mount without lower tiers, where every indexed name has its backing entry), from an fd of
+of names missing from the model directories *handed over* to it (`hand_dir`), from an fd of
 the backing directory, until the directory goes (`take_dir`); the misses it counted are
 collected the same way (`harvest_misses`).
 
@@ -307,11 +306,12 @@ class Passthrough:
             else:
                 self.release(i)
 
-    def hand_dir(self, inode: int, key: Any, fd: int) -> bool:
+    def hand_dir(self, inode: int, key: Any, fd: int, *, below: bool = False) -> bool:
         """Let the request thread answer LOOKUPs of names missing from directory `inode`
         (ENOENT where its backing directory, `fd`, has no such entry; a miss counted for
-        `key`), until `take_dir`. True: the module owns `fd` now; False: the caller closes
-        it (not routed, or handed over already)."""
+        `key`), with `below` (lower tiers) but for names of blocks and fan-out directories,
+        until `take_dir`. True: the module owns `fd` now; False: the caller closes it (not
+        routed, or handed over already)."""
         if not self.routed:
             return False
         if inode in self.dirs:
@@ -319,7 +319,7 @@ class Passthrough:
             return False
         while len(self.dirs) >= MAX_DIRS:
             self.take_dir(next(iter(self.dirs)))
-        if not _passthrough.dir_put(inode, fd):
+        if not _passthrough.dir_put(inode, fd, below):
             return False
         self.dirs[inode] = key
         return True
