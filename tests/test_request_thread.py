@@ -318,3 +318,32 @@ def test_with_a_lower_tier_the_names_of_blocks_stay_the_daemons(mount_factory, t
     assert (d / "ab").is_dir()  # a fan-out directory: made on demand by the daemon's lookup
     assert not (d / "ab" / ("ab" + "c" * 30 + ".kv")).exists()  # a block no tier holds
     assert delta(requests(m), r0, "lookup") == own + 2
+
+
+def test_many_directories_handed_over_and_taken_back(mount, ns):
+    """The thread's table of directories (open addressing, entries moved back as others are
+    taken out) keeps every one handed over and none taken back: after half of 300 are
+    removed, a miss in each of the others is the thread's, and names there still resolve."""
+    if os.geteuid() != 0:
+        pytest.skip("dropping the kernel's caches needs root")
+    dirs = [ns / f"d{i:03d}" for i in range(300)]
+    for d in dirs:
+        d.mkdir()
+        assert not (d / "x").exists()
+    assert mount.stats()["passthrough"]["directories"] == 301  # and `ns`
+    for d in dirs[::2]:
+        d.rmdir()
+    kept = dirs[1::2]
+    assert mount.stats()["passthrough"]["directories"] == 151
+    r0 = requests(mount)
+    own = delta(requests(mount), r0, "lookup")
+    r0 = requests(mount)
+    for d in kept:
+        assert not (d / "y").exists()
+    r1 = requests(mount)
+    assert delta(r1, r0, "thread_lookup") == len(kept) and delta(r1, r0, "lookup") == own
+    for d in kept[:10]:
+        (d / "f").write_bytes(b"f")
+    drop_dentries()
+    assert all((d / "f").read_bytes() == b"f" for d in kept[:10])
+    assert not any((d / "f").exists() for d in kept[10:20])
