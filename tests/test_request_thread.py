@@ -347,3 +347,33 @@ def test_many_directories_handed_over_and_taken_back(mount, ns):
     drop_dentries()
     assert all((d / "f").read_bytes() == b"f" for d in kept[:10])
     assert not any((d / "f").exists() for d in kept[10:20])
+
+
+def _open_file_limit(pid: int) -> tuple[int, int]:
+    with open(f"/proc/{pid}/limits") as f:
+        line = next(x for x in f if x.startswith("Max open files"))
+    soft, hard = line.split()[3:5]
+    return int(soft), int(hard)
+
+
+def test_directories_handed_over_stay_within_the_open_file_limit(mount_factory):
+    """Each directory handed over holds an fd: the daemon raises its soft open-file limit to
+    the hard one, and hands over at most a quarter of it."""
+    m = mount_factory("raised", start=False)
+    m.prefix = ["prlimit", "--nofile=256:4096", "--"]
+    m.start()
+    assert _open_file_limit(m.pid()) == (4096, 4096)
+    low = mount_factory("low", start=False)
+    low.prefix = ["prlimit", "--nofile=64:64", "--"]
+    low.start()
+    passthrough_on(low)
+    assert _open_file_limit(low.pid()) == (64, 64)
+    ns = low.mnt / "t" / "ns"
+    ns.mkdir(parents=True)
+    for i in range(30):
+        (ns / f"d{i}").mkdir()
+        assert not (ns / f"d{i}" / "x").exists()
+    assert low.stats()["passthrough"]["directories"] == 16  # 64 / 4, the oldest taken back
+    (ns / "d29" / "x").write_bytes(b"x")
+    assert (ns / "d29" / "x").read_bytes() == b"x"
+    assert "Traceback" not in low.log_text()

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 from dataclasses import dataclass
 
@@ -29,6 +30,9 @@ from .settings import DEFAULTS
 from .store import BackingStore
 from .tiers import parse_shared, parse_tier_url
 from .tiers.mover import Tiering
+
+#: The open-file limit the daemon raises its own to, where the hard limit allows.
+FD_LIMIT = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -221,9 +225,25 @@ def mount_options(debug: bool) -> set[str]:
     return opts
 
 
+def raise_fd_limit() -> int:
+    """The daemon holds an fd per open file and per directory handed to the request thread
+    (kvfs.daemon.passthrough): the soft open-file limit raised to the hard one (at most
+    FD_LIMIT), as its systemd unit sets it. The limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+    return soft
+
+
 def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: ignore[valid-type]
     """Mount and serve until unmounted or signalled. `ready()` is called once mounted."""
     os.umask(0)  # modes are set explicitly, as the callers asked for them
+    fd_limit = raise_fd_limit()
     mountpoint = os.path.abspath(opts.mountpoint)
     if not os.path.isdir(mountpoint):
         raise MountError(f"mount point {mountpoint} is not a directory")
@@ -262,7 +282,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
     passthrough = ops.tree.passthrough
     passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache,
-                     miss_window=MISS_WINDOW)
+                     miss_window=MISS_WINDOW, fd_limit=fd_limit)
     # Ends the mount if this process dies without unmounting (see kvfs.daemon.watchdog).
     watch_fd = watchdog.start(mountpoint)
     if ready is not None:

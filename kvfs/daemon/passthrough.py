@@ -63,7 +63,8 @@ INIT_WAIT = 10.0
 TABLE_SLOTS = 1 << 15
 MAX_DELEGATED = TABLE_SLOTS // 2
 #: Directories handed over at most (the module's table has twice the slots), the least
-#: recently handed over taken back first. Each holds an fd of its backing directory.
+#: recently handed over taken back first. Each holds an fd of its backing directory (so at
+#: most a quarter of the daemon's open-file limit, `hook`).
 MAX_DIRS = 2048
 #: struct fuse_attr (include/uapi/linux/fuse.h): ino, size, blocks, atime, mtime, ctime,
 #: their nanoseconds, mode, nlink, uid, gid, rdev, blksize, flags.
@@ -146,16 +147,20 @@ class Passthrough:
     # Directories whose missing names the request thread answers: inode -> stats key, oldest
     # first; and the misses it counted in those taken back since the last harvest.
     dirs: OrderedDict[int, Any] = field(default_factory=OrderedDict)
+    max_dirs: int = MAX_DIRS  # (fewer where the open-file limit is low: `hook`)
     unharvested_misses: list[tuple[Any, int]] = field(default_factory=list)
 
     @property
     def on(self) -> bool:
         return self.state == "on"
 
-    def hook(self, backing: str, *, writeback_cache: bool, miss_window: float = 60.0) -> None:
+    def hook(self, backing: str, *, writeback_cache: bool, miss_window: float = 60.0,
+             fd_limit: int = 1024) -> None:
         """After pyfuse3.init, before the session runs: have the INIT reply offer passthrough."""
         if not self.wanted:
             return
+        # Directories' fds take at most a quarter of the daemon's open-file limit.
+        self.max_dirs = max(0, min(MAX_DIRS, fd_limit // 4))
         if writeback_cache:
             self.reason = "off with --writeback-cache (the kernel allows one or the other)"
             return
@@ -317,7 +322,9 @@ class Passthrough:
         if inode in self.dirs:
             self.dirs.move_to_end(inode)
             return False
-        while len(self.dirs) >= MAX_DIRS:
+        if not self.max_dirs:
+            return False
+        while len(self.dirs) >= self.max_dirs:
             self.take_dir(next(iter(self.dirs)))
         if not _passthrough.dir_put(inode, fd, below):
             return False
