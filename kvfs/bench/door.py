@@ -16,8 +16,7 @@ both sides, the two sides alternating within each repeat so that both see the sa
 
 For each: the time of the writes (for small files: per create+write+close; each side's
 writes start after a `sync`, so that none meets the write-back of what was written before
-it: without it the plain directory's 2 MiB pages were written at 372-4,211 MiB/s in runs of
-the same code, as the pages left dirty before them varied), then reads of
+it), then reads of
 every file just written (warm: the page cache as the writer left it), then reads after the
 caches were dropped (`echo 3 > drop_caches` on both sides alike, after the daemon has handled
 the FORGETs; root only). Ratios are the mount's against the plain directory's: throughput
