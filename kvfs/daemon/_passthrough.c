@@ -1201,6 +1201,27 @@ static PyObject *py_miss_take(PyObject *self, PyObject *args)
     return Py_BuildValue("(dk)", age, count);
 }
 
+static PyObject *py_miss_put(PyObject *self, PyObject *args)
+{
+    /* The daemon's recent misses of `name` in `parent` (seconds since the first, LOOKUPs),
+     * counted by it already: the thread goes on from there. */
+    unsigned long long parent;
+    Py_buffer name;
+    double age;
+    unsigned long count;
+    if (!PyArg_ParseTuple(args, "Ky*dk", &parent, &name, &age, &count))
+        return NULL;
+    uint64_t h = name_hash(parent, name.buf, (size_t)name.len);
+    pthread_mutex_lock(&table_lock);
+    struct recent *r = &recent[h & (RECENT_SLOTS - 1)];
+    r->hash = h;
+    r->first_ns = now_ns() - (int64_t)(age * 1e9);
+    r->count = (uint32_t)(count ? count : 1);
+    pthread_mutex_unlock(&table_lock);
+    PyBuffer_Release(&name);
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_state(PyObject *self, PyObject *noargs)
 {
     PyObject *ops = PyDict_New();
@@ -1289,6 +1310,9 @@ static PyMethodDef methods[] = {
     {"miss_take", py_miss_take, METH_VARARGS,
      "miss_take(parent, name) -> (seconds since its first miss, LOOKUPs) or None: the "
      "thread's recent misses of name, forgotten"},
+    {"miss_put", py_miss_put, METH_VARARGS,
+     "miss_put(parent, name, seconds, lookups): the daemon's recent misses of name, counted "
+     "by it: the thread's count goes on from them"},
     {"state", py_state, METH_NOARGS, "state(): what the hooks and the thread have seen and done"},
     {"fstype", py_fstype, METH_VARARGS, "fstype(path): statfs(2)'s f_type"},
     {NULL, NULL, 0, NULL},

@@ -179,23 +179,25 @@ class Door:
         for key, misses in tree.passthrough.harvest_misses():
             tree.stats.by_ns[key].mount_misses += misses
 
-    async def hand_dir(self, parent: Node) -> None:
+    async def hand_dir(self, parent: Node) -> bool:
         """A name was missing from model directory `parent`, listed (no backing entry waits
         to be indexed): the request thread answers its next missing names itself, from an
         fd of its backing directory (strict resolution: a swap of the path later changes
         nothing). Every name its index holds has its backing entry, but blocks demoted to a
         lower tier; so with lower tiers, the names of blocks and fan-out directories (which
-        a lookup may fetch) stay the daemon's."""
+        a lookup may fetch) stay the daemon's. Whether it was handed over now."""
         tree = self.tree
         pt = tree.passthrough
         if not pt.routed or not parent.is_dir or not parent.ns or parent.inode in pt.dirs:
-            return
+            return False
         try:
             fd = await tree.io(tree.store.opendir, tree.path(parent), tenant=parent.tenant)
         except (OSError, FUSEError):
-            return
+            return False
         now = tree.index.find(parent.inode)
         if (now is None or now.parent != parent.parent or now.name != parent.name
                 or not pt.hand_dir(parent.inode, tree.key(parent), fd,
                                    below=tree.tiering is not None)):
             os.close(fd)  # gone or moved meanwhile, or handed over by another lookup
+            return False
+        return True

@@ -168,8 +168,9 @@ class Operations(pyfuse3.Operations):
             if found is None:
                 found = await self.promotion.lookup_below(parent_inode, name)
             if found is None:
-                if parent_inode not in self.adoption.unlisted:
-                    await self.door.hand_dir(self.index.get(parent_inode))
+                if parent_inode not in self.adoption.unlisted and await self.door.hand_dir(
+                        self.index.get(parent_inode)):
+                    self.promotion.hand_over_miss(parent_inode, name)
                 raise FUSEError(errno.ENOENT)
             node = found
         self.tree.ref(node.inode)

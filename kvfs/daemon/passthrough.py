@@ -350,6 +350,12 @@ class Passthrough:
                     out.append((key, misses))
         return out
 
+    def put_miss(self, parent: int, name: bytes, age: float, lookups: int) -> None:
+        """The daemon's recent misses of `name` in `parent` (seconds since the first,
+        LOOKUPs), counted by it: the request thread's count goes on from them."""
+        if self.routed:
+            _passthrough.miss_put(parent, name, age, lookups)
+
     def take_miss(self, parent: int, name: bytes) -> tuple[float, int] | None:
         """(seconds since, LOOKUPs) of the request thread's recent misses of `name` in
         `parent`, forgotten (a create of it follows); None if it has none."""

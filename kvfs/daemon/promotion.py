@@ -78,6 +78,14 @@ class Promotion:
         if len(self._recent_misses) > 4096:
             self._recent_misses.popitem(last=False)
 
+    def hand_over_miss(self, parent_inode: int, name: bytes) -> None:
+        """The directory of a name just missed is now the request thread's to answer: the
+        name's recent misses go with it (counted here once; the thread counts no more)."""
+        seen = self._recent_misses.pop((parent_inode, name), None)
+        if seen is not None:
+            self.tree.passthrough.put_miss(parent_inode, name, time.monotonic() - seen[0],
+                                           seen[1])
+
     def creating(self, parent: Node, name: bytes) -> None:
         """A name is being created. If its only failed lookup was the kernel's, just before
         the create (a temporary, a new directory), that was no cache miss: take it back."""
