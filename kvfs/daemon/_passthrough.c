@@ -421,7 +421,6 @@ static struct dir dirs[DIR_SLOTS];  /* guarded by table_lock */
 static size_t dirs_used;
 static struct recent recent[RECENT_SLOTS];
 static int64_t miss_window_ns = 60ll * 1000000000;
-static unsigned long long missed;   /* LOOKUPs answered ENOENT */
 
 static void dirs_reset(void)
 {
@@ -431,7 +430,6 @@ static void dirs_reset(void)
     memset(dirs, 0, sizeof(dirs));
     memset(recent, 0, sizeof(recent));
     dirs_used = 0;
-    missed = 0;
 }
 
 #define DIR_MASK (DIR_SLOTS - 1)
@@ -530,7 +528,6 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
         r->count = 1;
         d->misses++;
     }
-    missed++;
     reply(unique, ENOENT, NULL, 0);
     return 1;
 }
@@ -1233,8 +1230,8 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         {OP_READ, "read"}, {OP_LOOKUP, "lookup"}};
     enum { N = sizeof(names) / sizeof(names[0]) };
     pthread_mutex_lock(&table_lock);
-    unsigned long long counts[N], fwd = forwarded, miss = missed;
-    size_t live = table_live, ndirs = dirs_used;
+    unsigned long long counts[N], fwd = forwarded;
+    size_t live = table_live;
     for (int i = 0; i < N; i++)
         counts[i] = answered[names[i].op];
     pthread_mutex_unlock(&table_lock);
@@ -1247,14 +1244,13 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         }
         Py_DECREF(v);
     }
-    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n,s:K,s:n}",
+    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n}",
                          "init_seen", init_seen ? Py_True : Py_False,
                          "init_offered", init_offered ? Py_True : Py_False,
                          "init_flags", init_flags, "init_minor", init_minor,
                          "opens_patched", opens_patched, "opens_missed", opens_missed,
                          "routed", thread_running ? Py_True : Py_False,
-                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live,
-                         "lookups_missed", miss, "dirs", (Py_ssize_t)ndirs);
+                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live);
 }
 
 static PyObject *py_fstype(PyObject *self, PyObject *args)
