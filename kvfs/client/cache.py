@@ -29,6 +29,7 @@ import errno
 import logging
 import os
 import queue
+import resource
 import stat
 import threading
 import time
@@ -41,7 +42,6 @@ from ..format.hashing import ModelSpec
 from ..format.hashing import block_hashes as _block_hashes
 from ..format.layout import MANIFEST as _MANIFEST
 from ..format.layout import TEMP_PREFIX
-from ..rlimit import raise_open_files
 from . import cpus, leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .keys import NamespaceKeys
@@ -191,7 +191,7 @@ class KVCache(Saving, Loading):
             self.hot_seal = os.getxattr(ns_dir, control.SEAL) == b"1"
         except OSError:
             self.hot_seal = False
-        raise_open_files(FD_LIMIT)  # a layer-wise load keeps a request's blocks open
+        _raise_fd_limit()
 
     # -- opening -------------------------------------------------------------------------
 
@@ -372,6 +372,15 @@ class KVCache(Saving, Loading):
             n += 1
         return n
 
+
+
+def _raise_fd_limit() -> None:
+    """A layer-wise load keeps every block of a request open: allow many open files."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        log.debug("raised the open-file limit from %d to %d", soft, want)
 
 
 def _check_manifest(ns_dir: str, spec: ModelSpec) -> None:

@@ -12,13 +12,13 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 from dataclasses import dataclass
 
 import pyfuse3
 import trio
 
-from ..rlimit import raise_open_files
 from . import keys, scanner, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
@@ -225,12 +225,25 @@ def mount_options(debug: bool) -> set[str]:
     return opts
 
 
+def raise_fd_limit() -> int:
+    """The daemon holds an fd per open file and per directory handed to the request thread
+    (kvfs.daemon.passthrough): the soft open-file limit raised to the hard one (at most
+    FD_LIMIT), as its systemd unit sets it. The limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = FD_LIMIT if hard == resource.RLIM_INFINITY else min(hard, FD_LIMIT)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (OSError, ValueError) as exc:
+            log.warning("could not raise the open-file limit from %d: %s", soft, exc)
+    return soft
+
+
 def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: ignore[valid-type]
     """Mount and serve until unmounted or signalled. `ready()` is called once mounted."""
     os.umask(0)  # modes are set explicitly, as the callers asked for them
-    # An fd per open file and per directory handed to the request thread
-    # (kvfs.daemon.passthrough): as many as the hard limit allows, as the systemd unit sets.
-    fd_limit = raise_open_files(FD_LIMIT)
+    fd_limit = raise_fd_limit()
     mountpoint = os.path.abspath(opts.mountpoint)
     if not os.path.isdir(mountpoint):
         raise MountError(f"mount point {mountpoint} is not a directory")
