@@ -77,7 +77,7 @@ def test_the_client_imports_no_daemon_module():
     """The client side never loads pyfuse3, trio or a daemon module: it takes on-disk names
     from kvfs.format.layout and attribute names from kvfs.format.control."""
     code = ("import sys, kvfs.client, kvfs.client.cache, kvfs.client.channel, "
-            "kvfs.client.load, kvfs.client.save, kvfs.client.layouts; "
+            "kvfs.client.load, kvfs.client.layerwise, kvfs.client.save, kvfs.client.layouts; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('pyfuse3', 'trio') "
             "or m.startswith('kvfs.daemon')]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

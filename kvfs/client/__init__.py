@@ -28,7 +28,8 @@ from __future__ import annotations
 from ..format.hashing import ModelSpec
 from .cache import BACKING_XATTR, FD_LIMIT, MANIFEST, TIERS_XATTR, KVCache, SpecMismatch
 from .channel import CONTROL_IDLE_S, MAX_QUEUED_RECORDS, ControlChannel
-from .load import SAMPLE_EVERY, THREAD_BYTES, LoadHandle
+from .layerwise import LoadHandle
+from .load import SAMPLE_EVERY, THREAD_BYTES
 from .save import CacheFull
 
 __all__ = [

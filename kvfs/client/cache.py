@@ -45,8 +45,8 @@ from ..format.layout import TEMP_PREFIX
 from . import cpus, leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .keys import NamespaceKeys
+from .layerwise import LayerwiseLoading
 from .layouts import DTYPES
-from .load import Loading
 from .save import Saving
 from .transport import PosixTransport
 from .transport import select as select_transport
@@ -114,11 +114,12 @@ class SpecMismatch(ValueError):
     """A namespace's manifest was written for another model spec."""
 
 
-class KVCache(Saving, Loading):
+class KVCache(Saving, LayerwiseLoading):
     """The blocks of one model namespace of a kvfs mount. Use :meth:`open`.
 
     Save and load live in their base classes (:class:`~kvfs.client.save.Saving`,
-    :class:`~kvfs.client.load.Loading`); control calls go through ``_channel``.
+    :class:`~kvfs.client.load.Loading` and, for loads layer by layer,
+    :class:`~kvfs.client.layerwise.LayerwiseLoading`); control calls go through ``_channel``.
     """
 
     def __init__(
