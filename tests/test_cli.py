@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvfs.format.config import ConfigError, parse_size
 
-from .conftest import kvfs
+from .conftest import KVFS, force_unmount, fuse_available, kvfs
 
 
 def test_parse_size():
@@ -67,9 +74,6 @@ def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):
 def test_python_m_kvfs_cli_is_the_kvfs_program():
     """The daemon and the tests start `python -m kvfs.cli`; a benchmark record names that
     entry point `kvfs`, as the console script."""
-    import subprocess
-    import sys
-
     from kvfs.bench.common import portable
     from kvfs.bench.report import command_line
 
@@ -79,3 +83,72 @@ def test_python_m_kvfs_cli_is_the_kvfs_program():
     argv0 = os.path.join(os.path.dirname(__import__("kvfs.cli").cli.__file__), "__main__.py")
     assert portable([argv0, "bench", "trace"]) == ["kvfs", "bench", "trace"]
     assert command_line([argv0, "bench", "trace"]) == "kvfs bench trace"
+
+
+@contextlib.contextmanager
+def _demo_mount(base: Path) -> Iterator[Path]:
+    """`kvfs demo`'s mount under `base`, unmounted (by force if need be) at the end, its
+    daemon's log checked for tracebacks."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    mnt = base / "mnt"
+    try:
+        yield mnt
+    finally:
+        if os.path.ismount(mnt):
+            kvfs("umount", str(mnt), check=False)
+        if os.path.ismount(mnt):
+            force_unmount(mnt)
+        log = base / "backing" / ".kvfs" / "daemon.log"
+        assert "Traceback" not in (log.read_text() if log.exists() else "")
+
+
+def test_the_readmes_first_command_runs_the_demo(tmp_path):
+    """`kvfs demo` (what tools/quickstart.sh runs): a mount over the default backing
+    directory, a model's conversation saved through it and taken up by a second process
+    whose tokens match a full recompute, and what an operator sees (ls, du, df, getfattr,
+    kvfs status). Run again, it mounts the same directory afresh and finds every block."""
+    with _demo_mount(tmp_path / "demo") as mnt:
+        out = kvfs("demo", str(mnt.parent), timeout=600).stdout
+        ns = mnt / "demo" / "kvfs--models--tinylm@551daff0e4a5063d"
+        assert "restored KV equals the recomputed KV bit for bit: yes" in out, out
+        assert "identical: yes (against the full recompute in process 1)" in out, out
+        saved = re.findall(r"saved (\d+) blocks \((\d+) new\)", out)
+        assert [int(n) for n, _ in saved] == [74, 88, 101], out
+        assert re.search(rf"^\S+\t{re.escape(str(mnt / 'demo'))}$", out, re.M), out  # du -sh
+        assert re.search(r"^-rw-r--r-- 1 \S+ \S+ 69632 .* [0-9a-f]{32}\.kv$", out, re.M), out
+        assert 'user.kvfs.tier="hot"' in out and "tenant demo" in out, out
+        assert os.path.ismount(mnt) and len(list(ns.glob("*/*.kv"))) == 101
+        again = kvfs("demo", str(mnt.parent), timeout=600).stdout
+        assert f"kvfs: unmounted {mnt}" in again, again
+        assert re.findall(r"saved \d+ blocks \((\d+) new\)", again) == ["0", "0", "0"], again
+        assert "identical: yes" in again, again
+
+
+def test_the_demo_without_torch_writes_synthetic_blocks(tmp_path):
+    """Where torch is not installed, the demo still mounts and writes real block files
+    through the mount, as an engine's file backend would, and shows them."""
+    with _demo_mount(tmp_path / "demo") as mnt:
+        code = ("import sys; sys.modules['torch'] = None; from kvfs.cli import main; "
+                f"sys.argv = ['kvfs', 'demo', {str(mnt.parent)!r}]; sys.exit(main())")
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert "torch is not installed" in res.stdout
+        assert "wrote 10 + 7 blocks of 16 tokens (4 shared by both conversations)" in res.stdout
+        assert re.search(rf"^\S+\t{re.escape(str(mnt / 'demo'))}$", res.stdout, re.M)
+        assert "Traceback" not in res.stderr
+        ns = next((mnt / "demo").glob("*@*"))
+        assert len(list(ns.glob("*/*.kv"))) == 13  # 10 + 7, the 4 shared written once
+        assert json.loads(kvfs("status", str(mnt), "--json").stdout)["files"] == 14
+        # Its output read by a reader that went away (`kvfs status | head`): 141, as other
+        # tools killed by SIGPIPE, and no traceback.
+        r, w = os.pipe()
+        os.close(r)
+        try:
+            res = subprocess.run([*KVFS, "status", "--json", str(mnt)], stdout=w,
+                                 stderr=subprocess.PIPE, text=True, timeout=60)
+        finally:
+            os.close(w)
+        assert res.returncode == 141 and res.stderr == "", res.stderr

@@ -1,7 +1,8 @@
 """`kvfs`: one program, one small function per subcommand, in a module per command family.
 
 Exit codes: 0 success; 1 the operation failed (the message says why); 2 bad usage or
-configuration; 3 not a kvfs mount / not mounted.
+configuration; 3 not a kvfs mount / not mounted; 141 the output's reader went away (`kvfs
+status --json | head`: what other tools' SIGPIPE gives, without a traceback).
 
 Imports: any folder of kvfs (the command line is the top layer); nothing imports it but
 its own entry points.
@@ -10,6 +11,7 @@ its own entry points.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .. import __version__
@@ -29,8 +31,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+#: The exit status of a command whose output's reader went away (128 + SIGPIPE).
+EXIT_PIPE = 141
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return _run(sys.argv[1:] if argv is None else argv)
+    except BrokenPipeError:
+        # Python's own flush at exit would fail again and say so: stdout goes nowhere now.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
+
+
+def _run(argv: list[str]) -> int:
     if argv[:2] == ["bench", "tiers"]:  # its own options (kvfs.bench.tiers), passed whole
         from ..bench import tiers  # noqa: PLC0415
 
