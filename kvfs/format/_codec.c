@@ -195,6 +195,57 @@ static void dest_write(Dest *d, const uint8_t *src, size_t n) {
     }
 }
 
+/* The caller's destination as a Python object (a writable buffer, or a list or tuple of them
+ * filled in order), held as a Dest while the decoder runs without the GIL. */
+typedef struct {
+    PyObject *seq;     /* the list or tuple, or NULL for one buffer */
+    Py_buffer *views;
+    uint8_t **bufs;
+    size_t *lens;
+    int nparts, held;  /* parts, and how many of their buffers are held */
+    size_t total;      /* their bytes in all */
+} Target;
+
+/* Hold every part of `target`: 0, or -1 with an exception set (target_release still due). */
+static int target_get(PyObject *target, Target *t) {
+    memset(t, 0, sizeof *t);
+    t->nparts = 1;
+    if (PyList_Check(target) || PyTuple_Check(target)) {
+        t->seq = PySequence_Fast(target, "dest");
+        if (!t->seq) return -1;
+        t->nparts = (int)PySequence_Fast_GET_SIZE(t->seq);
+        if (t->nparts < 1) {
+            PyErr_SetString(PyExc_ValueError, "dest has no parts");
+            return -1;
+        }
+    }
+    t->views = calloc((size_t)t->nparts, sizeof *t->views);
+    t->bufs = calloc((size_t)t->nparts, sizeof *t->bufs);
+    t->lens = calloc((size_t)t->nparts, sizeof *t->lens);
+    if (!t->views || !t->bufs || !t->lens) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (; t->held < t->nparts; t->held++) {
+        int i = t->held;
+        PyObject *o = t->seq ? PySequence_Fast_GET_ITEM(t->seq, i) : target;
+        if (PyObject_GetBuffer(o, &t->views[i], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
+            return -1;
+        t->bufs[i] = t->views[i].buf;
+        t->lens[i] = (size_t)t->views[i].len;
+        t->total += t->lens[i];
+    }
+    return 0;
+}
+
+static void target_release(Target *t) {
+    for (int i = 0; i < t->held; i++) PyBuffer_Release(&t->views[i]);
+    free(t->views);
+    free(t->bufs);
+    free(t->lens);
+    Py_XDECREF(t->seq);
+}
+
 static int run_decode(const uint8_t *s, size_t slen, int k, size_t chunk, Dest *dest,
                       size_t n, uint64_t *digest, int merging) {
     uint8_t *dst = dest->nparts == 1 ? dest->buf[0] : NULL;
@@ -278,55 +329,26 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     Py_ssize_t chunk;
     int merging = 1;
     if (!PyArg_ParseTuple(args, "y*inO|p", &s, &k, &chunk, &target, &merging)) return NULL;
-    PyObject *result = NULL, *seq = NULL;
-    Py_buffer *views = NULL;
-    uint8_t **bufs = NULL;
-    size_t *lens = NULL, total = 0;
-    int held = 0, nparts = 1;
+    PyObject *result = NULL;
+    Target t;
+    memset(&t, 0, sizeof t);
     if (k < 1 || k > MAX_PLANES || chunk < 1) {
         PyErr_SetString(PyExc_ValueError, "element size must be 1..8 and chunk positive");
         goto out;
     }
-    if (PyList_Check(target) || PyTuple_Check(target)) {
-        seq = PySequence_Fast(target, "dest");
-        if (!seq) goto out;
-        nparts = (int)PySequence_Fast_GET_SIZE(seq);
-        if (nparts < 1) {
-            PyErr_SetString(PyExc_ValueError, "dest has no parts");
-            goto out;
-        }
-    }
-    views = calloc((size_t)nparts, sizeof *views);
-    bufs = calloc((size_t)nparts, sizeof *bufs);
-    lens = calloc((size_t)nparts, sizeof *lens);
-    if (!views || !bufs || !lens) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (; held < nparts; held++) {
-        PyObject *o = seq ? PySequence_Fast_GET_ITEM(seq, held) : target;
-        if (PyObject_GetBuffer(o, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto out;
-        bufs[held] = views[held].buf;
-        lens[held] = (size_t)views[held].len;
-        total += lens[held];
-    }
+    if (target_get(target, &t) < 0) goto out;
     {
-        Dest d = {nparts, bufs, lens, 0, 0};
+        Dest d = {t.nparts, t.bufs, t.lens, 0, 0};
         uint64_t digest = 0;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_decode(s.buf, (size_t)s.len, k, (size_t)chunk, &d, total, &digest, merging);
+        rc = run_decode(s.buf, (size_t)s.len, k, (size_t)chunk, &d, t.total, &digest, merging);
         Py_END_ALLOW_THREADS
         if (rc == NO_MEMORY) PyErr_NoMemory();
         else result = Py_BuildValue("iK", rc, (unsigned long long)digest);
     }
 out:
-    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    free(views);
-    free(bufs);
-    free(lens);
-    Py_XDECREF(seq);
+    target_release(&t);
     PyBuffer_Release(&s);
     return result;
 }
@@ -613,56 +635,27 @@ static PyObject *dequantize(PyObject *self, PyObject *args) {
     Py_ssize_t group;
     unsigned long tiles = 0;
     if (!PyArg_ParseTuple(args, "y*inO|k", &s, &dt, &group, &target, &tiles)) return NULL;
-    PyObject *result = NULL, *seq = NULL;
-    Py_buffer *views = NULL;
-    uint8_t **bufs = NULL;
-    size_t *lens = NULL, total = 0;
-    int held = 0, nparts = 1;
+    PyObject *result = NULL;
+    Target t;
+    memset(&t, 0, sizeof t);
     Tiles tl;
     if (dt < DT_BF16 || dt > DT_F32 || group < 1 || !parse_tiles(tiles, &tl)) {
         PyErr_SetString(PyExc_ValueError, "dtype must be 1..3, group positive, tiles sound");
         goto out;
     }
-    if (PyList_Check(target) || PyTuple_Check(target)) {
-        seq = PySequence_Fast(target, "dest");
-        if (!seq) goto out;
-        nparts = (int)PySequence_Fast_GET_SIZE(seq);
-        if (nparts < 1) {
-            PyErr_SetString(PyExc_ValueError, "dest has no parts");
-            goto out;
-        }
-    }
-    views = calloc((size_t)nparts, sizeof *views);
-    bufs = calloc((size_t)nparts, sizeof *bufs);
-    lens = calloc((size_t)nparts, sizeof *lens);
-    if (!views || !bufs || !lens) {
-        PyErr_NoMemory();
-        goto out;
-    }
-    for (; held < nparts; held++) {
-        PyObject *o = seq ? PySequence_Fast_GET_ITEM(seq, held) : target;
-        if (PyObject_GetBuffer(o, &views[held], PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-            goto out;
-        bufs[held] = views[held].buf;
-        lens[held] = (size_t)views[held].len;
-        total += lens[held];
-    }
+    if (target_get(target, &t) < 0) goto out;
     {
-        Dest d = {nparts, bufs, lens, 0, 0};
+        Dest d = {t.nparts, t.bufs, t.lens, 0, 0};
         uint64_t digest = 0;
         int rc;
         Py_BEGIN_ALLOW_THREADS
-        rc = run_dequant(s.buf, (size_t)s.len, dt, (size_t)group, &tl, &d, total, &digest);
+        rc = run_dequant(s.buf, (size_t)s.len, dt, (size_t)group, &tl, &d, t.total, &digest);
         Py_END_ALLOW_THREADS
         if (rc == NO_MEMORY) PyErr_NoMemory();
         else result = Py_BuildValue("iK", rc, (unsigned long long)digest);
     }
 out:
-    for (int i = 0; i < held; i++) PyBuffer_Release(&views[i]);
-    free(views);
-    free(bufs);
-    free(lens);
-    Py_XDECREF(seq);
+    target_release(&t);
     PyBuffer_Release(&s);
     return result;
 }
