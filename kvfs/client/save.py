@@ -268,47 +268,40 @@ class Saving(Layouts):
                 parts = [header(csum), memoryview(payload), pad]
             else:
                 parts = [memoryview(p) for p in codec.file_parts(*got)]
-            return self._write_file(tmp, final, fan, parts)
+            self._write_file(tmp, final, fan, lambda fd: pwritev_all(fd, parts, 0))
+            return sum(p.nbytes for p in parts)
         if _write_native is not None and self._native_writes and plen:
             # One call, the GIL released: create (and the fan-out directory if new), hash and
             # write the payload, the header with its checksum, the padding, rename; the
             # temporary file is removed on a failure.
             _write_native(tmp, final, header(0), views, len(pad), self.fsync, expect)
             return blockfile.HEADER_SIZE + plen + len(pad)
-        os.makedirs(fan, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            try:
-                if plen > ONE_READ_BYTES:
-                    # A large payload is hashed piece by piece as it is written (each piece
-                    # still in this core's cache for the write's copy), the header last:
-                    # the file is renamed into place only once it is whole.
-                    csum = pwrite_hashed(fd, views, blockfile.HEADER_SIZE)
-                    _expected(csum, expect, tmp)
-                    pwritev_all(fd, [header(csum)], 0)
-                    pwritev_all(fd, [pad], blockfile.HEADER_SIZE + plen)
-                else:
-                    csum = checksum(views)
-                    _expected(csum, expect, tmp)
-                    pwritev_all(fd, [header(csum), *views, pad], 0)
-                if self.fsync:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        def write(fd: int) -> None:
+            if plen > ONE_READ_BYTES:
+                # A large payload is hashed piece by piece as it is written (each piece
+                # still in this core's cache for the write's copy), the header last:
+                # the file is renamed into place only once it is whole.
+                csum = pwrite_hashed(fd, views, blockfile.HEADER_SIZE)
+                _expected(csum, expect, tmp)
+                pwritev_all(fd, [header(csum)], 0)
+                pwritev_all(fd, [pad], blockfile.HEADER_SIZE + plen)
+            else:
+                csum = checksum(views)
+                _expected(csum, expect, tmp)
+                pwritev_all(fd, [header(csum), *views, pad], 0)
+
+        self._write_file(tmp, final, fan, write)
         return blockfile.HEADER_SIZE + plen + len(pad)
 
-    def _write_file(self, tmp: str, final: str, fan: str, parts: list[memoryview]) -> int:
-        """Write ``parts`` as a new file ``tmp`` and rename it to ``final``: its size."""
+    def _write_file(self, tmp: str, final: str, fan: str, write: Callable[[int], None]) -> None:
+        """Create ``tmp`` (and its fan-out directory ``fan`` if new), ``write`` it (given its
+        fd), sync it where the mount asks, and rename it to ``final``; on a failure the
+        temporary file is removed."""
         os.makedirs(fan, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
         try:
             try:
-                pwritev_all(fd, parts, 0)
+                write(fd)
                 if self.fsync:
                     os.fsync(fd)
             finally:
@@ -318,7 +311,6 @@ class Saving(Layouts):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
-        return sum(p.nbytes for p in parts)
 
     def save_async(self, hashes: Sequence[bytes], kv: torch.Tensor, *,
                    parent: bytes | None = None) -> bool:
