@@ -53,6 +53,15 @@ def test_mount_errors_are_one_clear_line(tmp_path):
     assert res.returncode == 3 and "not mounted" in res.stderr
     res = kvfs("umount", str(tmp_path), check=False)
     assert res.returncode == 3
+    res = kvfs("fsck", str(tmp_path / "nope"), check=False)
+    assert res.returncode == 1 and res.stderr == (
+        f"kvfs: backing directory {tmp_path / 'nope'} does not exist\n")
+    res = kvfs("warm", str(tmp_path / "nope"), check=False)
+    assert res.returncode == 1 and "is not a directory" in res.stderr
+    (tmp_path / "file").write_bytes(b"")
+    res = kvfs("demo", str(tmp_path / "file" / "demo"), check=False)
+    assert res.returncode == 1 and res.stderr == (
+        f"kvfs demo: cannot make {tmp_path / 'file' / 'demo'}: Not a directory\n")
 
 
 def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):

@@ -17,7 +17,9 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     try:
         store, lock_fd = open_state_dir(os.path.abspath(args.backing))
     except MountError as exc:
-        raise CliError(f"{exc}; unmount it first") from None
+        # In use: by its mounted daemon (unmount it first) or by another fsck.
+        hint = "; unmount it first" if "in use" in str(exc) else ""
+        raise CliError(f"{exc}{hint}") from None
     index = open_index(store)
 
     def progress(n: int) -> None:

@@ -101,6 +101,9 @@ def cmd_tenant_list(args: argparse.Namespace) -> int:
 def cmd_warm(args: argparse.Namespace) -> int:
     """Promote every block below PATH that lives in a lower tier (reading it through the
     mount fetches, verifies and places it hot), with progress."""
+    if not os.path.isdir(args.path):
+        raise CliError(f"{args.path} is not a directory (warm takes a tenant's or a "
+                       "namespace's directory in a kvfs mount)")
     todo = []
     for d, _, files in os.walk(args.path):
         for f in files:

@@ -235,19 +235,32 @@ def restore(mnt: str, tenant: str, request: str) -> int:
     return 0 if same and n > 0 else 1
 
 
+def _kvfs(*args: str) -> bool:
+    """``kvfs ARGS`` (its messages go to the terminal); False, said, if it failed."""
+    if subprocess.run([*KVFS, *args], check=False).returncode == 0:
+        return True
+    print(f"kvfs demo: `kvfs {' '.join(args)}` failed (see above)", file=sys.stderr)
+    return False
+
+
 def run_demo(base: str) -> int:
     base = os.path.abspath(base)
     backing, mnt = os.path.join(base, "backing"), os.path.join(base, "mnt")
-    os.makedirs(backing, exist_ok=True)
-    os.makedirs(mnt, exist_ok=True)
-    if os.path.ismount(mnt):
-        subprocess.run([*KVFS, "umount", mnt], check=True)
-    subprocess.run([*KVFS, "mount", backing, mnt, "--capacity", "1G"], check=True)
+    try:
+        os.makedirs(backing, exist_ok=True)
+        os.makedirs(mnt, exist_ok=True)
+    except OSError as exc:
+        print(f"kvfs demo: cannot make {exc.filename}: {exc.strerror}", file=sys.stderr)
+        return 1
+    if os.path.ismount(mnt) and not _kvfs("umount", mnt):
+        return 1
+    if not _kvfs("mount", backing, mnt, "--capacity", "1G"):
+        return 1
     uid, gid = _owner()
     tenant = os.path.join(mnt, TENANT)
-    if not os.path.isdir(tenant):
-        subprocess.run([*KVFS, "tenant", "add", mnt, TENANT, "--uid", str(uid), "--gid",
-                        str(gid)], check=True)
+    if not os.path.isdir(tenant) and not _kvfs("tenant", "add", mnt, TENANT, "--uid", str(uid),
+                                                "--gid", str(gid)):
+        return 1
     status = 0
     if _import_torch():
         status, block = serve(base, mnt)
