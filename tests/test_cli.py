@@ -161,3 +161,36 @@ def test_the_demo_without_torch_writes_synthetic_blocks(tmp_path):
         finally:
             os.close(w)
         assert res.returncode == 141 and res.stderr == "", res.stderr
+
+
+def test_tenant_commands_refuse_bad_input_and_change_nothing(mount):
+    """A tenant name that is a path (`../x`, `a/b`), a dot name, a negative uid or a bad
+    mode is refused before anything is made (exit 2), and never reaches outside the mount; a
+    tenant whose limit the daemon refuses is not left behind; `tenant set` with one bad
+    limit puts back the ones it set before it."""
+    mnt = str(mount.mnt)
+    outside = mount.mnt.parent / "x"
+    for name in ("../x", "a/b", ".kvfs", "..", "", "@a", "x" * 65):
+        res = kvfs("tenant", "add", mnt, name, "--uid", "1", "--gid", "1", check=False)
+        assert res.returncode == 2 and "is not a tenant name" in res.stderr, (name, res.stderr)
+        res = kvfs("tenant", "set", mnt, name, "--quota", "1G", check=False)
+        assert res.returncode == 2 and "is not a tenant name" in res.stderr, (name, res.stderr)
+    assert not outside.exists()
+    for bad, why in ((["--uid", "-5", "--gid", "1"], "--uid -5 is not a uid"),
+                     (["--uid", "1", "--gid", str(2**32)], f"--gid {2**32} is not a gid"),
+                     (["--uid", "1", "--gid", "1", "--mode", "999"], "not an octal mode")):
+        res = kvfs("tenant", "add", mnt, "t", *bad, check=False)
+        assert res.returncode == 2 and why in res.stderr and "Traceback" not in res.stderr
+    res = kvfs("tenant", "add", mnt, "t", "--uid", "1001", "--gid", "1001", "--quota", "lots",
+               check=False)
+    assert res.returncode == 1 and "cannot set quota=lots" in res.stderr
+    assert os.listdir(mnt) == [".kvfs"]  # nothing left behind
+    out = kvfs("tenant", "add", mnt, "t", "--uid", "1001", "--gid", "1001", "--quota", "2G",
+               "--max-idle", "1h").stdout
+    assert out.splitlines()[0].startswith("kvfs: tenant t (uid 1001, gid 1001, mode 0700)")
+    assert os.stat(mount.mnt / "t").st_uid == 1001
+    res = kvfs("tenant", "set", mnt, "t", "--quota", "3G", "--max-age", "soon", check=False)
+    assert res.returncode == 1 and "cannot set max_age=soon" in res.stderr
+    assert os.getxattr(mount.mnt / "t", "user.kvfs.quota") == b"2147483648"  # put back
+    assert kvfs("tenant", "set", mnt, "t", "--quota", "3G").stdout == (
+        "kvfs: t: quota = 3221225472\n")

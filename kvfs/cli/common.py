@@ -10,6 +10,8 @@ import stat
 import sys
 from typing import Any
 
+from ..format.layout import TENANT_NAME
+
 log = logging.getLogger("kvfs")
 
 EXIT_FAIL = 1
@@ -63,6 +65,20 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
         raise CliError(f"{mountpoint} is not a kvfs mount", EXIT_NOT_MOUNTED) from None
     except OSError as exc:
         raise CliError(f"cannot read {_stats_path(mountpoint)}: {exc.strerror}") from None
+
+
+def tenant_dir(mountpoint: str, name: str, *, new: bool = False) -> str:
+    """The directory of tenant `name` in the kvfs mount `mountpoint` (absolute): the name
+    checked first (never a path out of the mount), and that it exists unless `new`."""
+    if not TENANT_NAME.match(os.fsencode(name)):
+        raise CliError(f"{name!r} is not a tenant name: 1 to 64 letters, digits and _ . @ -, "
+                       "the first a letter, digit or _", EXIT_USAGE)
+    mountpoint = os.path.abspath(mountpoint)
+    read_stats(mountpoint)
+    path = os.path.join(mountpoint, name)
+    if not new and not os.path.isdir(path):
+        raise CliError(f"no tenant {name} in {mountpoint}")
+    return path
 
 
 def human(n: float | None) -> str:

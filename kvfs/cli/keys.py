@@ -11,16 +11,11 @@ import sys
 import time
 
 from ..format import control
-from .common import EXIT_FAIL, EXIT_USAGE, CliError, read_stats
+from .common import EXIT_FAIL, EXIT_USAGE, CliError, tenant_dir
 
 
 def _tenant_dir(args: argparse.Namespace) -> str:
-    mountpoint = os.path.abspath(args.mountpoint)
-    read_stats(mountpoint)
-    path = os.path.join(mountpoint, args.name)
-    if not os.path.isdir(path) or "/" in args.name:
-        raise CliError(f"no tenant {args.name} in {mountpoint}")
-    return path
+    return tenant_dir(args.mountpoint, args.name)
 
 
 def _command(path: str, name: bytes, value: bytes, what: str) -> None:

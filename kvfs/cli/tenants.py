@@ -4,31 +4,59 @@ tenants and their files through the mount."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
 
 from ..format import control
 from . import keys
-from .common import EXIT_FAIL, EXIT_USAGE, CliError, human, print_table, read_stats
+from .common import (
+    EXIT_FAIL,
+    EXIT_USAGE,
+    CliError,
+    human,
+    print_table,
+    read_stats,
+    tenant_dir,
+)
 
 
 def cmd_tenant_add(args: argparse.Namespace) -> int:
-    mountpoint = os.path.abspath(args.mountpoint)
-    read_stats(mountpoint)
-    path = os.path.join(mountpoint, args.name)
-    mode = int(args.mode, 8)
+    for what in ("uid", "gid"):
+        if not 0 <= getattr(args, what) < 2**32 - 1:
+            raise CliError(f"--{what} {getattr(args, what)} is not a {what}", EXIT_USAGE)
+    try:
+        mode = int(args.mode, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o7777:
+        raise CliError(f"--mode {args.mode} is not an octal mode", EXIT_USAGE)
+    path = tenant_dir(args.mountpoint, args.name, new=True)
     try:
         os.mkdir(path, mode)
-        os.chown(path, args.uid, args.gid)
-        os.chmod(path, mode)
     except FileExistsError:
         raise CliError(f"tenant {args.name} already exists") from None
     except OSError as exc:
         raise CliError(f"cannot add tenant {args.name}: {exc.strerror}") from None
+    try:  # a tenant whose owner, mode or limits cannot be set is not left behind
+        try:
+            os.chown(path, args.uid, args.gid)
+            os.chmod(path, mode)
+        except OSError as exc:
+            raise CliError(f"cannot add tenant {args.name}: {exc.strerror}") from None
+        limits = _set_limits(path, args)
+    except BaseException:
+        try:
+            os.rmdir(path)
+        except OSError as exc:
+            print(f"kvfs: tenant {args.name} was made but could not be removed again: "
+                  f"{exc.strerror}", file=sys.stderr)
+        raise
     print(f"kvfs: tenant {args.name} (uid {args.uid}, gid {args.gid}, mode {args.mode}) "
           f"at {path}")
-    _set_limits(path, args)
+    for line in limits:
+        print(line)
     deadline = time.monotonic() + 5  # the daemon makes its key in the background
     while time.monotonic() < deadline:
         st = keys.key_state(path)
@@ -47,27 +75,34 @@ LIMIT_OPTIONS = (("quota", "quota"), ("max_idle", "max_idle"), ("max_age", "max_
                  ("placement", "placement"))
 
 
-def _set_limits(path: str, args: argparse.Namespace) -> None:
+def _set_limits(path: str, args: argparse.Namespace) -> list[str]:
+    """Set the limits `args` gives on tenant directory `path`, all or none (one the daemon
+    refuses puts back those set before it): the lines that say them."""
+    said: list[str] = []
+    before: list[tuple[bytes, bytes]] = []
     for attr, name in LIMIT_OPTIONS:
         value = getattr(args, attr, None)
         if value is None:
             continue
+        xattr = control.limit_name(name)
         try:
-            os.setxattr(path, control.limit_name(name), value.encode())
+            old = os.getxattr(path, xattr)
+            os.setxattr(path, xattr, value.encode())
         except OSError as exc:
+            for earlier, was in reversed(before):
+                with contextlib.suppress(OSError):
+                    os.setxattr(path, earlier, was)
             hint = " (only root sets limits)" if exc.errno == 1 else ""
             raise CliError(f"cannot set {name}={value} on {path}: {exc.strerror}{hint}") from None
-        shown = os.getxattr(path, control.limit_name(name)).decode()
-        print(f"kvfs: {os.path.basename(path)}: {name} = {shown}")
+        before.append((xattr, old))
+        said.append(f"kvfs: {os.path.basename(path)}: {name} = "
+                    f"{os.getxattr(path, xattr).decode()}")
+    return said
 
 
 def cmd_tenant_set(args: argparse.Namespace) -> int:
-    mountpoint = os.path.abspath(args.mountpoint)
-    read_stats(mountpoint)
-    path = os.path.join(mountpoint, args.name)
-    if not os.path.isdir(path):
-        raise CliError(f"no tenant {args.name} in {mountpoint}")
-    _set_limits(path, args)
+    for line in _set_limits(tenant_dir(args.mountpoint, args.name), args):
+        print(line)
     return 0
 
 

@@ -37,7 +37,6 @@ import errno
 import functools
 import logging
 import os
-import re
 import stat
 import time
 from collections.abc import Callable
@@ -48,6 +47,7 @@ import pyfuse3
 import trio
 from pyfuse3 import FUSEError
 
+from ..format.layout import TENANT_NAME
 from ..models.policy import DEFAULT_POLICY
 from . import virtual
 from .audit import Audit
@@ -110,8 +110,6 @@ async def in_thread(fn: Callable[[], T]) -> T:
 ENTRY_TIMEOUT = 10.0
 BLKSIZE = 128 * 1024  # st_blksize: the size of one FUSE read request
 NAME_MAX = 255
-#: Tenant names: what a user name or a DNS label may be; never starts with a dot.
-TENANT_RE = re.compile(rb"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 
 T = TypeVar("T")
 
@@ -156,7 +154,7 @@ def check_move(node: Node, parent_old: int, new_parent: Node, name_new: bytes) -
     everything else below a tenant, and in its own tenant (EINVAL, EPERM, EXDEV)."""
     at_top = (parent_old == ROOT_INODE, new_parent.inode == ROOT_INODE)
     if at_top == (True, True):
-        if not TENANT_RE.match(name_new):
+        if not TENANT_NAME.match(name_new):
             raise FUSEError(errno.EINVAL)
     elif any(at_top):
         raise FUSEError(errno.EPERM)  # files and namespaces live below a tenant
@@ -310,7 +308,7 @@ class Tree:
                 raise FUSEError(errno.EPERM)
             if uid not in (0, self.owner_uid):
                 raise FUSEError(errno.EACCES)
-            if not TENANT_RE.match(name):
+            if not TENANT_NAME.match(name):
                 log.warning("refused tenant name %r: use letters, digits, _ . @ -", name)
                 raise FUSEError(errno.EINVAL)
         return parent

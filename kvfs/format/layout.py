@@ -7,6 +7,12 @@ nothing of kvfs, so it can never be a cycle.
 
 from __future__ import annotations
 
+import re
+
+#: What a tenant's name may be (a directory at the mount's root; what a user name or a DNS
+#: label may be): 1 to 64 letters, digits and ``_ . @ -``, the first a letter, digit or
+#: ``_`` (so never a dot name of kvfs's own). The daemon and the command line check it.
+TENANT_NAME = re.compile(rb"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")
 #: Where the daemon keeps its own state inside the backing root (index, lock, log,
 #: quarantine, staging). Never a tenant: tenant names cannot start with a dot. The mount
 #: shows a virtual directory of the same name at its root (stats.json, version).
