@@ -194,3 +194,32 @@ def test_tenant_commands_refuse_bad_input_and_change_nothing(mount):
     assert os.getxattr(mount.mnt / "t", "user.kvfs.quota") == b"2147483648"  # put back
     assert kvfs("tenant", "set", mnt, "t", "--quota", "3G").stdout == (
         "kvfs: t: quota = 3221225472\n")
+
+
+def test_mount_refuses_directories_that_overlap(tmp_path):
+    """A backing directory that is the mount point, holds it or lies inside it (and a
+    directory tier inside the mount point or the backing directory) would have the daemon
+    read its own mount and hang: refused before anything is made or mounted."""
+    why = fuse_available()
+    if why:
+        pytest.skip(why)
+    b, m = tmp_path / "b", tmp_path / "m"
+    b.mkdir()
+    m.mkdir()
+    (b / "sub").mkdir()
+    cases = [
+        ((b, b), "overlap (one is the other or inside it): the daemon would read its own mount"),
+        ((b, tmp_path), "the daemon would read its own mount"),
+        ((b, b / "sub"), "the daemon would read its own mount"),
+        ((b, m, "--cold", f"dir://{m}/cold"), f"the cold tier's directory {m}/cold and the "
+                                              f"mount point {m} overlap"),
+        ((b, m, "--cold", f"dir://{b}/cold"), f"the cold tier's directory {b}/cold and the "
+                                              f"backing directory {b} overlap"),
+        ((b, m, "--shared", f"eu=dir://{tmp_path}"), f"the eu tier's directory {tmp_path} and "
+                                                     f"the mount point {m} overlap"),
+    ]
+    for args, why in cases:
+        res = kvfs("mount", *map(str, args), check=False, timeout=60)
+        assert res.returncode == 1 and why in res.stderr, (args, res.stderr)
+        assert not any(os.path.ismount(p) for p in (b, m, tmp_path, b / "sub"))
+    assert sorted(os.listdir(b)) == [".kvfs", "sub"] and os.listdir(m) == []

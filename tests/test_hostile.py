@@ -431,6 +431,34 @@ def test_paths_past_path_max_work(mount_factory):
     assert res.stdout == "dee\n", res.stderr
 
 
+def test_tenants_changed_while_unmounted_are_reconciled_at_mount(mount_factory):
+    """A tenant's backing directory removed, or replaced by a file or a link, while kvfs was
+    not mounted: the next mount reconciles the index (a tenant the index held whose
+    directory is gone stopped the mount with a traceback), and the other tenants keep
+    their files and limits."""
+    m = setup(mount_factory)
+    kvfs("tenant", "add", str(m.mnt), "c", "--uid", str(UID_A), "--gid", str(GID_A))
+    kvfs("tenant", "set", str(m.mnt), "b", "--quota", "1G")
+    (m.mnt / "b" / "ns").mkdir()
+    (m.mnt / "b" / "ns" / "f").write_bytes(b"kept")
+    (m.mnt / "a" / "ns").mkdir()
+    m.stop()
+    subprocess.run(["rm", "-rf", str(m.backing / "a")], check=True)
+    subprocess.run(["rm", "-rf", str(m.backing / "c")], check=True)
+    (m.backing / "c").write_bytes(b"not a tenant")
+    m.start()
+    assert sorted(os.listdir(m.mnt)) == [".kvfs", "b"]
+    assert (m.mnt / "b" / "ns" / "f").read_bytes() == b"kept"
+    assert os.getxattr(m.mnt / "b", "user.kvfs.quota") == b"1073741824"
+    text = m.log_text()
+    assert "tenant a: its backing directory cannot be opened" in text
+    assert "reconciling with the backing tree" in text
+    # The tenant can be made again, and is usable.
+    kvfs("tenant", "add", str(m.mnt), "a", "--uid", str(UID_A), "--gid", str(GID_A))
+    res = sh_a(f"mkdir {m.mnt}/a/ns && echo x > {m.mnt}/a/ns/f && cat {m.mnt}/a/ns/f")
+    assert res.returncode == 0 and res.stdout == "x\n", res.stderr
+
+
 @pytest.mark.parametrize("openat2", [True, False], ids=["openat2", "walk"])
 def test_resolver_refuses_links_anywhere(tmp_path, monkeypatch, openat2):
     from kvfs.daemon import backing

@@ -30,6 +30,7 @@ from .settings import DEFAULTS
 from .store import BackingStore
 from .tiers import parse_shared, parse_tier_url
 from .tiers.mover import Tiering
+from .tiers.url import tier_dirs
 
 #: The open-file limit the daemon raises its own to, where the hard limit allows.
 FD_LIMIT = 1 << 20
@@ -119,6 +120,19 @@ def private(path: str) -> None:
         pass
 
 
+def _tenants_gone(index: Index, store: BackingStore) -> bool:
+    """Whether a tenant the index holds has no directory in the backing tree now (removed,
+    or replaced by something else, while kvfs was not mounted)."""
+    for t in index.tenants():
+        try:
+            os.close(store.opendir(t.name))
+        except OSError as exc:
+            log.warning("tenant %s: its backing directory cannot be opened (%s)",
+                        t.name.decode(errors="replace"), exc.strerror)
+            return True
+    return False
+
+
 def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     """Lock the backing directory and bring the index up to date."""
     store, lock_fd = open_state_dir(opts.backing)
@@ -132,9 +146,9 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
         report = scanner.adopt(index, store)
         log.info("adopting %s: %d tenants indexed, their directories indexed on demand and "
                  "in the background", opts.backing, report.added.count)
-    elif index.get_meta("clean") != "1":
-        log.info("index of %s was not closed cleanly: reconciling with the backing tree",
-                 opts.backing)
+    elif index.get_meta("clean") != "1" or _tenants_gone(index, store):
+        log.info("index of %s was not closed cleanly, or a tenant's directory is gone from "
+                 "it: reconciling with the backing tree", opts.backing)
         report = scanner.reconcile(index, store, lazy=True,
                                 progress=lambda n: log.info("fsck: %d entries", n))
         log.info("fsck: %s", report.summary())
@@ -190,6 +204,35 @@ def make_tiering(opts: MountOptions) -> Tiering | None:
                    fetch_timeout=opts.fetch_timeout, breaker_cooldown=opts.tier_cooldown,
                    encode=opts.tier_codec == "planes", hot_encoded=opts.hot_codec != "none",
                    hot_sealed=opts.hot_encrypt)
+
+
+def _overlap(a: str, b: str) -> bool:
+    """Whether directory `a` is `b` or inside it, or `b` inside `a` (both resolved)."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def check_places(opts: MountOptions, mountpoint: str) -> None:
+    """Refuse a mount whose directories overlap, before anything is made: a backing
+    directory (or a directory tier) that is the mount point, inside it, or holds it would be
+    read by the daemon through its own mount, which waits on the daemon itself (a hang no
+    signal ends); a directory tier that is or holds the backing directory, or is inside it,
+    would mix its files with the hot tier's."""
+    m, b = os.path.realpath(mountpoint), os.path.realpath(opts.backing)
+    if _overlap(b, m):
+        raise MountError(f"the backing directory {opts.backing} and the mount point "
+                         f"{mountpoint} overlap (one is the other or inside it): the daemon "
+                         "would read its own mount")
+    try:
+        dirs = tier_dirs(opts.cold, opts.shared)
+    except ValueError as exc:
+        raise MountError(str(exc)) from None
+    for name, root in dirs:
+        d = os.path.realpath(root)
+        for what, where, path in (("mount point", mountpoint, m),
+                                  ("backing directory", opts.backing, b)):
+            if _overlap(d, path):
+                raise MountError(f"the {name} tier's directory {root} and the {what} {where} "
+                                 "overlap (one is the other or inside it)")
 
 
 def make_keyring(opts: MountOptions, state_dir: str, tiering: Tiering | None
@@ -249,6 +292,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         raise MountError(f"mount point {mountpoint} is not a directory")
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
+    check_places(opts, mountpoint)
+    tiering = make_tiering(opts)
     index, store, lock_fd = prepare(opts)
     info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
                      capacity=opts.capacity, policy=opts.policy,
@@ -256,7 +301,6 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      scan_interval=opts.scan_interval, policy_entries=opts.policy_entries,
                      hot_codec=opts.hot_codec, hot_encrypt=opts.hot_encrypt)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
-    tiering = make_tiering(opts)
     keyring = make_keyring(opts, os.fsdecode(store.state_dir), tiering)
     audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,

@@ -89,12 +89,10 @@ def parse_tier_url(url: str, name: str) -> Tier:
 
 
 
-def parse_shared(text: str) -> list[Tier]:
-    """The mount's shared tiers from ``--shared`` (given once or more; in a config file a
-    string or a list): each ``URL`` (the tier named ``shared``) or ``NAME=URL`` (named
-    tiers, e.g. ``eu=s3://kv-eu/cache us=s3://kv-us/cache``, which tenants' placements
-    name), separated by spaces. Raises ConfigError."""
-    tiers: list[Tier] = []
+def _shared_urls(text: str) -> list[tuple[str, str]]:
+    """``--shared``'s tiers as (name, URL): each ``URL`` (the tier named ``shared``) or
+    ``NAME=URL``, separated by spaces. Raises ConfigError."""
+    named: list[tuple[str, str]] = []
     for item in text.split():
         name, url = "shared", item
         head = item.split("://", 1)[0]
@@ -103,9 +101,36 @@ def parse_shared(text: str) -> list[Tier]:
             if not _NAME_RE.match(name) or name in ("hot", "cold", "all"):
                 raise ConfigError(f"shared tier name {name!r}: 1-32 of a-z, 0-9, '_', '-' "
                                   "starting with a letter, not hot, cold or all")
-        if any(t.name == name for t in tiers):
+        if any(n == name for n, _ in named):
             raise ConfigError(f"two shared tiers named {name!r} (name them: NAME=URL)")
+        named.append((name, url))
+    return named
+
+
+def parse_shared(text: str) -> list[Tier]:
+    """The mount's shared tiers from ``--shared`` (given once or more; in a config file a
+    string or a list): each ``URL`` (the tier named ``shared``) or ``NAME=URL`` (named
+    tiers, e.g. ``eu=s3://kv-eu/cache us=s3://kv-us/cache``, which tenants' placements
+    name), separated by spaces. Raises ConfigError."""
+    tiers: list[Tier] = []
+    for name, url in _shared_urls(text):
         tier = parse_tier_url(url, name)
         tier.shared = True
         tiers.append(tier)
     return tiers
+
+
+def tier_dirs(cold: str | None, shared: str | None) -> list[tuple[str, str]]:
+    """The directories the ``dir://`` tiers of ``--cold`` and ``--shared`` name, as (tier
+    name, path), before any tier is made (which creates them): for checks of where they
+    are. Raises ConfigError."""
+    named = ([("cold", cold)] if cold else []) + (_shared_urls(shared) if shared else [])
+    out = []
+    for name, url in named:
+        try:
+            parts = urlsplit(url)
+        except ValueError:
+            continue  # said by parse_tier_url
+        if parts.scheme == "dir":
+            out.append((name, unquote(parts.path)))
+    return out
