@@ -78,6 +78,17 @@ def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):
     assert res.returncode == 1 and "in use by another kvfs process" in res.stderr
     res = kvfs("mount", str(m.backing), str(m.mnt), check=False)
     assert res.returncode == 1 and "already a mount point" in res.stderr
+    # A process inside the mount keeps it busy: said, with how to find it; still mounted.
+    holder = subprocess.Popen(["sleep", "30"], cwd=m.mnt)
+    try:
+        res = kvfs("umount", str(m.mnt), check=False)
+        assert res.returncode == 1 and "Device or resource busy" in res.stderr
+        assert f"(fuser -vm {m.mnt} names it)" in res.stderr and os.path.ismount(m.mnt)
+    finally:
+        holder.kill()
+        holder.wait()
+    kvfs("umount", str(m.mnt))
+    assert not os.path.ismount(m.mnt)
 
 
 def test_python_m_kvfs_cli_is_the_kvfs_program():

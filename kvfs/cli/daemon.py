@@ -79,7 +79,9 @@ def cmd_umount(args: argparse.Namespace) -> int:
     pid = read_stats(mountpoint).get("pid")
     res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
     if res.returncode != 0:
-        raise CliError(f"cannot unmount {mountpoint}: {res.stderr.strip()}")
+        busy = ("; a process has a file or its working directory in it (fuser -vm "
+                f"{mountpoint} names it)" if "busy" in res.stderr else "")
+        raise CliError(f"cannot unmount {mountpoint}: {res.stderr.strip()}{busy}")
     deadline = time.monotonic() + args.timeout
     while pid and _alive(pid):
         if time.monotonic() > deadline:
