@@ -6,8 +6,10 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -234,3 +236,36 @@ def test_mount_refuses_directories_that_overlap(tmp_path):
         assert res.returncode == 1 and why in res.stderr, (args, res.stderr)
         assert not any(os.path.ismount(p) for p in (b, m, tmp_path, b / "sub"))
     assert sorted(os.listdir(b)) == [".kvfs", "sub"] and os.listdir(m) == []
+
+
+def _in_mountinfo(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == str(path) for line in f)
+
+
+def test_a_daemon_that_does_not_answer_is_said_and_force_unmounted(mount):
+    """A stopped (or hung) daemon: `kvfs status` says so after its deadline instead of
+    waiting for ever, `kvfs umount` refuses and names `--force`, which aborts the connection
+    and unmounts; the daemon, run again, exits, and the next mount serves the files."""
+    (mount.mnt / "t").mkdir()
+    (mount.mnt / "t" / "f").write_bytes(b"kept")
+    pid = mount.pid()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        res = kvfs("status", str(mount.mnt), check=False, timeout=60)
+        assert res.returncode == 1 and "does not answer after 10 s" in res.stderr, res.stderr
+        assert time.monotonic() - t0 < 30
+        res = kvfs("umount", str(mount.mnt), check=False, timeout=60)
+        assert res.returncode == 1 and f"kvfs umount --force {mount.mnt}" in res.stderr
+        assert res.stdout == "" and _in_mountinfo(mount.mnt)  # (a stat would wait)
+        out = kvfs("umount", "--force", str(mount.mnt), timeout=60).stdout
+        assert out == f"kvfs: unmounted {mount.mnt}\n" and not _in_mountinfo(mount.mnt)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{pid}")
+    mount.start()
+    assert (mount.mnt / "t" / "f").read_bytes() == b"kept"

@@ -154,13 +154,7 @@ def abort_connection(mnt: str | Path) -> None:
     it. A daemon killed with SIGKILL can be left unable to exit: a thread of it inside a kernel
     notification waits on a directory lock that a request it will never answer holds; the
     connection then lives on, and processes using the mount hang, until it is aborted."""
-    dev = watchdog.mount_device(str(mnt))  # from mountinfo: a stat of it could hang
-    if dev is None:
-        return
-    watchdog.connections_mounted()
-    with contextlib.suppress(OSError), open(
-            f"{watchdog.CONNECTIONS}/{dev.split(':')[2]}/abort", "w") as f:
-        f.write("1")
+    watchdog.abort_connection(str(mnt))
 
 
 def force_unmount(mnt: str | Path) -> None:

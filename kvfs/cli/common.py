@@ -8,8 +8,10 @@ import logging
 import os
 import stat
 import sys
+import threading
 from typing import Any
 
+from ..daemon.watchdog import mount_fields
 from ..format.layout import TENANT_NAME
 
 log = logging.getLogger("kvfs")
@@ -55,16 +57,47 @@ def _stats_path(mountpoint: str) -> str:
     return os.path.join(mountpoint, ".kvfs", "stats.json")
 
 
-def read_stats(mountpoint: str) -> dict[str, Any]:
-    if not os.path.ismount(mountpoint):
+#: How long a command waits for the daemon to answer before it says that it does not.
+ANSWER_TIMEOUT = 10.0
+
+
+def read_stats(mountpoint: str, timeout: float = ANSWER_TIMEOUT) -> dict[str, Any]:
+    """The mount's ``.kvfs/stats.json``. Whether something is mounted there is read from
+    /proc/self/mountinfo (a stat of the mount point would wait on its daemon); a daemon that
+    does not answer within `timeout` (stopped, or hung) is said, not waited for: the read is
+    left in a thread the command's exit ends."""
+    mountpoint = os.path.abspath(mountpoint)
+    fields = mount_fields(mountpoint)
+    if fields is None:
         raise CliError(f"{mountpoint} is not mounted", EXIT_NOT_MOUNTED)
-    try:
-        with open(_stats_path(mountpoint), "rb") as f:
-            return json.loads(f.read())
-    except FileNotFoundError:
+    fstype = fields[fields.index("-") + 1] if "-" in fields else ""
+    if fstype != "fuse.kvfs":
+        raise CliError(f"{mountpoint} is not a kvfs mount ({fstype or 'unknown'})",
+                       EXIT_NOT_MOUNTED)
+    box: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            with open(_stats_path(mountpoint), "rb") as f:
+                box["stats"] = json.loads(f.read())
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            box["error"] = exc
+
+    reader = threading.Thread(target=read, name="kvfs-stats", daemon=True)
+    reader.start()
+    reader.join(timeout)
+    if reader.is_alive():
+        raise CliError(f"the kvfs daemon of {mountpoint} does not answer after {timeout:g} s "
+                       f"(stopped or hung; `kvfs umount --force {mountpoint}` aborts its "
+                       "connection and unmounts it)")
+    exc = box.get("error")
+    if isinstance(exc, FileNotFoundError):
         raise CliError(f"{mountpoint} is not a kvfs mount", EXIT_NOT_MOUNTED) from None
-    except OSError as exc:
+    if isinstance(exc, OSError):
         raise CliError(f"cannot read {_stats_path(mountpoint)}: {exc.strerror}") from None
+    if exc is not None:
+        raise exc
+    return box["stats"]
 
 
 def tenant_dir(mountpoint: str, name: str, *, new: bool = False) -> str:

@@ -12,7 +12,18 @@ from typing import Any
 
 from ..daemon import settings
 from ..daemon.capacity import Budget
-from .common import EXIT_FAIL, EXIT_USAGE, CliError, log, private_log, read_stats, setup_logging
+from ..daemon.watchdog import abort_connection
+from .common import (
+    ANSWER_TIMEOUT,
+    EXIT_FAIL,
+    EXIT_NOT_MOUNTED,
+    EXIT_USAGE,
+    CliError,
+    log,
+    private_log,
+    read_stats,
+    setup_logging,
+)
 
 
 def cmd_mount(args: argparse.Namespace) -> int:
@@ -76,8 +87,25 @@ def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> 
 
 def cmd_umount(args: argparse.Namespace) -> int:
     mountpoint = os.path.abspath(args.mountpoint)
-    pid = read_stats(mountpoint).get("pid")
-    res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True, text=True)
+    try:
+        pid = read_stats(mountpoint, timeout=2.0 if args.force else ANSWER_TIMEOUT).get("pid")
+    except CliError as exc:
+        if exc.code == EXIT_NOT_MOUNTED or not args.force:
+            raise
+        pid = None  # it does not answer: its exit is not waited for
+    if args.force:
+        # Every request waiting on the daemon fails (what it wrote stays; a file being
+        # written is removed at the next mount, as after a crash), then the mount goes.
+        if not abort_connection(mountpoint):
+            raise CliError(f"cannot abort the FUSE connection of {mountpoint} (root only)")
+        for flags in ("-u", "-uz"):
+            res = subprocess.run(["fusermount3", flags, mountpoint], capture_output=True,
+                                 text=True, timeout=args.timeout)
+            if res.returncode == 0:
+                break
+    else:
+        res = subprocess.run(["fusermount3", "-u", mountpoint], capture_output=True,
+                             text=True, timeout=args.timeout)
     if res.returncode != 0:
         busy = ("; a process has a file or its working directory in it (fuser -vm "
                 f"{mountpoint} names it)" if "busy" in res.stderr else "")
@@ -112,4 +140,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     u = sub.add_parser("umount", help="unmount and wait for the daemon to exit")
     u.add_argument("mountpoint")
     u.add_argument("--timeout", type=float, default=60.0)
+    u.add_argument("--force", action="store_true",
+                   help="abort the daemon's connection first (requests in flight fail): for a "
+                        "daemon that does not answer")
     u.set_defaults(func=cmd_umount)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import select
 import signal
 import subprocess
@@ -79,6 +80,12 @@ def clean_stop(wfd: int | None) -> None:
         os.close(wfd)
 
 
+def _unescape(field: str) -> str:
+    r"""A path as /proc/self/mountinfo writes it: space, tab, newline and backslash as
+    ``\ooo`` octal escapes."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
 def mount_fields(mountpoint: str) -> list[str] | None:
     """The /proc/self/mountinfo fields of the newest mount at `mountpoint` (not a stat of the
     mount point: that would be a request to a daemon that may be dead, or this very one)."""
@@ -87,7 +94,7 @@ def mount_fields(mountpoint: str) -> list[str] | None:
         with open("/proc/self/mountinfo") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) > 4 and fields[4] == mountpoint:
+                if len(fields) > 4 and _unescape(fields[4]) == mountpoint:
                     found = fields  # the last match is the newest mount
     except OSError:
         return None
@@ -170,6 +177,14 @@ def _abort(dev: str) -> bool:
         _say(f"cannot abort the connection {dev}: {exc}")
         return False
     return True
+
+
+def abort_connection(mountpoint: str) -> bool:
+    """Abort the FUSE connection of the mount at `mountpoint` (fusectl, as root), failing
+    every request waiting on it: what frees a mount whose daemon is dead, stopped or hung.
+    Whether it was aborted (False: not mounted, or not allowed)."""
+    dev = mount_device(mountpoint)
+    return dev is not None and _abort(dev)
 
 
 def _detach(mountpoint: str) -> None:
