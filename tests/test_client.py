@@ -95,6 +95,17 @@ def test_open_makes_namespace_and_manifest(mount, tenant):
         assert c.direct
     with pytest.raises(FileNotFoundError, match="no tenant 'nobody'"):
         KVCache.open(mount.mnt, tenant="nobody", spec=SPEC)
+    # Nothing is made outside a kvfs mount, nor through a tenant name that is a path.
+    plain = mount.mnt.parent / "plain"
+    (plain / tenant).mkdir(parents=True)
+    with pytest.raises(ValueError, match=f"{plain} is not a kvfs mount"):
+        KVCache.open(plain, tenant=tenant, spec=SPEC)
+    assert os.listdir(plain / tenant) == []
+    for bad in ("../plain", f"{tenant}/x", ".kvfs", ""):
+        with pytest.raises(ValueError, match="is not a tenant name"):
+            KVCache.open(mount.mnt, tenant=bad, spec=SPEC)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        KVCache.open(mount.mnt.parent / "nowhere", tenant=tenant, spec=SPEC)
 
 
 def test_round_trip_in_another_process(mount, cache):

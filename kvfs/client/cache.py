@@ -41,7 +41,7 @@ from ..format import blockfile, codec, control
 from ..format.hashing import ModelSpec
 from ..format.hashing import block_hashes as _block_hashes
 from ..format.layout import MANIFEST as _MANIFEST
-from ..format.layout import TEMP_PREFIX
+from ..format.layout import TEMP_PREFIX, TENANT_NAME
 from . import cpus, leases, remote
 from .channel import DRAIN_WAIT_S, ControlChannel
 from .keys import NamespaceKeys
@@ -212,6 +212,18 @@ class KVCache(Saving, LayerwiseLoading):
         daemon place them hot, read by name by the process that loads them).
         """
         mount = os.fspath(mount)
+        if not TENANT_NAME.match(os.fsencode(tenant)):
+            raise ValueError(f"{tenant!r} is not a tenant name (1 to 64 letters, digits and "
+                             "_ . @ -, the first a letter, digit or _)")
+        try:  # a kvfs mount's root answers it: nothing is made anywhere else
+            os.getxattr(mount, control.TIER)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"{mount} does not exist", mount) from None
+        except OSError as exc:
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+                raise ValueError(f"{mount} is not a kvfs mount (no {os.fsdecode(control.TIER)})"
+                                 ) from None
+            raise
         tenant_dir = os.path.join(mount, tenant)
         ns_dir = os.path.join(tenant_dir, spec.namespace)
         try:
