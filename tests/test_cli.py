@@ -61,6 +61,9 @@ def test_mount_errors_are_one_clear_line(tmp_path):
     res = kvfs("warm", str(tmp_path / "nope"), check=False)
     assert res.returncode == 1 and "is not a directory" in res.stderr
     (tmp_path / "file").write_bytes(b"")
+    # What the system refuses is one line naming the path, not a traceback.
+    res = kvfs("bench", "door", "--dir", str(tmp_path / "file" / "x"), check=False)
+    assert res.returncode == 1 and res.stderr == f"kvfs: Not a directory: {tmp_path}/file/x\n"
     res = kvfs("demo", str(tmp_path / "file" / "demo"), check=False)
     assert res.returncode == 1 and res.stderr == (
         f"kvfs demo: cannot make {tmp_path / 'file' / 'demo'}: Not a directory\n")

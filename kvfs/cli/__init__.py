@@ -60,3 +60,14 @@ def _run(argv: list[str]) -> int:
         return exc.code
     except KeyboardInterrupt:
         return 130
+    except (BrokenPipeError, ConnectionResetError):
+        raise
+    except OSError as exc:
+        # What the system refused (a path that is not there, a permission, a full disk):
+        # one line naming it, not a traceback; but the daemon's own failures keep theirs
+        # (its log is where they are read).
+        if args.command == "mount":
+            raise
+        where = f": {exc.filename}" if exc.filename is not None else ""
+        print(f"kvfs: {exc.strerror or exc}{where}", file=sys.stderr)
+        return EXIT_FAIL
