@@ -25,9 +25,15 @@ def test_parse_size():
     assert parse_size("1G") == 1 << 30
     assert parse_size("1.5TiB") == 3 << 39
     assert parse_size("10 MB") == 10 << 20
-    for bad in ("", "ten", "-1G", "5X"):
+    for bad in ("", "ten", "-1G", "5X", "8192P", "9" * 400, 2**63, -1):
         with pytest.raises(ConfigError):
             parse_size(bad)
+    assert parse_size(2**63 - 1) == 2**63 - 1
+    from kvfs.daemon.capacity import MAX_DURATION, parse_duration
+    assert parse_duration("7d") == 7 * 86400 and parse_duration(str(MAX_DURATION)) > 0
+    for bad in ("soon", "-1", "5300w", "18446744073709551616"):
+        with pytest.raises(ConfigError):
+            parse_duration(bad)
 
 
 def test_bad_config_is_refused_with_key(tmp_path):

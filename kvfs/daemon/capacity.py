@@ -24,12 +24,19 @@ _TIER_NAME = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
 
+#: The longest duration a limit takes: a century (longer means no limit: 'none').
+MAX_DURATION = 100 * 365 * 86400
+
+
 def parse_duration(text: str) -> float:
     """'90', '30m', '12h', '7d' -> seconds."""
     m = _DURATION_RE.match(text)
     if not m:
         raise ConfigError(f"not a duration: {text!r} (use e.g. 90, 30m, 12h, 7d)")
-    return float(m.group(1)) * _SECONDS[m.group(2)]
+    seconds = float(m.group(1)) * _SECONDS[m.group(2)]
+    if not seconds <= MAX_DURATION:
+        raise ConfigError(f"duration {text[:40]!r} is beyond a century (for no limit: none)")
+    return seconds
 
 
 @dataclass

@@ -18,16 +18,23 @@ class ConfigError(ValueError):
     """Invalid configuration: names the key and the reason."""
 
 
+#: The largest size kvfs takes (a file offset, SQLite's integer): 8 EiB.
+MAX_SIZE = 2**63 - 1
+
+
 def parse_size(text: str | int) -> int:
     """'500G', '1.5TiB', '4096' -> bytes (binary units)."""
     if isinstance(text, int):
-        if text < 0:
-            raise ConfigError(f"size must not be negative: {text}")
+        if not 0 <= text <= MAX_SIZE:
+            raise ConfigError(f"size must be 0 to {MAX_SIZE} bytes: {text}")
         return text
     m = _SIZE_RE.match(text)
     if not m:
         raise ConfigError(f"not a size: {text!r} (use e.g. 500G, 1.5TiB, 1048576)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not size <= MAX_SIZE:
+        raise ConfigError(f"size {text[:40]!r} is beyond {MAX_SIZE} bytes (8 EiB)")
+    return int(size)
 
 
 def read_toml(path: str) -> dict[str, Any]:
