@@ -25,8 +25,10 @@ MAX_SIZE = 2**63 - 1
 def parse_size(text: str | int) -> int:
     """'500G', '1.5TiB', '4096' -> bytes (binary units)."""
     if isinstance(text, int):
-        if not 0 <= text <= MAX_SIZE:
-            raise ConfigError(f"size must be 0 to {MAX_SIZE} bytes: {text}")
+        if text < 0:
+            raise ConfigError(f"size must not be negative: {text}")
+        if text > MAX_SIZE:
+            raise ConfigError(f"size {text} is beyond {MAX_SIZE} bytes (8 EiB)")
         return text
     m = _SIZE_RE.match(text)
     if not m:
