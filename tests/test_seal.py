@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import stat
 import struct
@@ -168,6 +169,35 @@ def test_the_key_file_is_made_private_and_keys_are_shared_through_a_tier(tmp_pat
     c = Keyring(KeyFile(str(tmp_path / "other")), str(tmp_path / "c"), [tier])
     with pytest.raises(KeyUnavailable, match="does not unwrap"):
         c.data_key("acme", kid)
+
+
+def _load_key_file(path: str, barrier, out) -> None:
+    barrier.wait()
+    try:
+        out.put(KeyFile(path).id)
+    except KeyUnavailable as exc:
+        out.put(f"refused: {exc}")
+
+
+def test_daemons_starting_together_make_one_key_file(tmp_path):
+    """Daemons that start at the same moment on a host without a key-encryption key (two
+    mounts enabled at first boot): one key is made, every one loads it whole (the file was
+    made, then written: a daemon that read it in between refused to start), and no
+    temporary is left."""
+    ctx = multiprocessing.get_context("fork")
+    for trial in range(10):
+        path = str(tmp_path / f"etc{trial}" / "kek")
+        barrier, out = ctx.Barrier(8), ctx.Queue()
+        procs = [ctx.Process(target=_load_key_file, args=(path, barrier, out))
+                 for _ in range(8)]
+        for p in procs:
+            p.start()
+        ids = {out.get(timeout=60) for _ in procs}
+        for p in procs:
+            p.join(60)
+        assert len(ids) == 1 and not next(iter(ids)).startswith("refused"), ids
+        assert os.listdir(os.path.dirname(path)) == ["kek"]
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
 
 
 def test_rotation_retirement_and_forgetting(tmp_path):

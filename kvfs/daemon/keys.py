@@ -78,21 +78,37 @@ class KeyFile:
         self._kek = self._load()
         self.id = hmac.digest(self._kek, b"kvfs-kek-id", "sha256")[:8].hex()
 
+    def _create(self) -> bytes:
+        """A new key, written whole under a name of its own and then linked into place:
+        another daemon starting at the same moment reads no file or the whole key, never a
+        part of it, and the first link wins (FileExistsError for the others)."""
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        raw = secrets.token_bytes(32).hex().encode() + b"\n"
+        tmp = f"{self.path}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(raw)
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, self.path)
+        finally:
+            os.unlink(tmp)
+        log.warning("created the key-encryption key %s: give every host that shares a tier a "
+                    "copy of it (0600, root's)", self.path)
+        return raw
+
     def _load(self) -> bytes:
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
-            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
-            raw = secrets.token_bytes(32).hex().encode() + b"\n"
             try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                raw = self._create()
             except FileExistsError:  # another daemon made it meanwhile
                 return self._load()
-            with os.fdopen(fd, "wb") as f:
-                f.write(raw)
-            log.warning("created the key-encryption key %s: give every host that shares a "
-                        "tier a copy of it (0600, root's)", self.path)
+            except OSError as exc:
+                raise KeyUnavailable(f"key file {self.path}: {exc.strerror}") from None
         except OSError as exc:
             raise KeyUnavailable(f"key file {self.path}: {exc.strerror}") from None
         text = raw.strip()
