@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import subprocess
 import time
 
 import pytest
@@ -369,3 +370,44 @@ def test_publish_that_cannot_fit_evicts_nothing(two):
         assert not any(os.path.exists(cache.path(h)) for h in hashes)
         assert cache.save(hashes[:4], torch.zeros(4, *small.block_shape, dtype=torch.uint8)) == 4
     assert tree(m.mnt / "a") == before  # 600 + 400 KiB fit without a single eviction
+
+
+def test_a_full_backing_filesystem_answers_enospc_and_recovers(mount_factory):
+    """Without --capacity the hot tier is the backing filesystem: once it is full (a 3 MiB
+    tmpfs here), creates, mkdirs and closes are refused with ENOSPC, never EIO (the index's
+    commits failed with SQLite's "disk is full", which reached the handlers' last resort);
+    space freed, everything works again, and no transaction was left open."""
+    m = mount_factory(start=False)
+    m.backing.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(m.backing)],
+                   check=True)
+    try:
+        m.start()
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+        ns = m.mnt / "t" / "ns"
+        ns.mkdir()
+        seen: set[int] = set()
+        for i in range(40):
+            try:
+                (ns / f"f{i}").write_bytes(os.urandom(128 << 10))
+            except OSError as exc:
+                seen.add(exc.errno)
+        for i in range(100):
+            for make in (lambda p: os.close(os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)),
+                         os.mkdir):
+                try:
+                    make(ns / f"g{i}")
+                except OSError as exc:
+                    seen.add(exc.errno)
+        assert seen == {errno.ENOSPC}, [errno.errorcode[e] for e in seen]
+        for f in ns.glob("f*"):
+            f.unlink()
+        (ns / "after").write_bytes(b"room again")
+        (ns / "d").mkdir()
+        assert (ns / "after").read_bytes() == b"room again"
+        assert "unexpected error" not in m.log_text()
+        m.stop()
+    finally:
+        if os.path.ismount(m.mnt):
+            m.stop(check=False)
+        subprocess.run(["umount", "-l", str(m.backing)], check=False)

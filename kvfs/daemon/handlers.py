@@ -12,6 +12,8 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import sqlite3
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -25,6 +27,20 @@ T = TypeVar("T")
 
 #: FUSE requests served, by handler (stats.json "requests"): event loop only.
 REQUESTS: Counter[str] = Counter()
+
+
+_full_said: float | None = None
+
+
+def _say_full(name: str) -> None:
+    """Say that the index's disk is full, at most once a minute (a full disk refuses every
+    request that writes, and the log may be on it too)."""
+    global _full_said
+    now = time.monotonic()
+    if _full_said is None or now - _full_said >= 60:
+        _full_said = now
+        log.warning("%s refused: the index's disk is full (ENOSPC); free space on the backing "
+                    "filesystem or set --capacity below its size", name)
 
 
 def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -46,6 +62,14 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
                 log.exception("%s failed", name)
                 raise FUSEError(errno.EIO) from None
             raise FUSEError(exc.errno) from None
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:  # type: ignore[attr-defined]
+                log.exception("unexpected error in %s", name)
+                raise FUSEError(errno.EIO) from None
+            # The index's disk is full (the backing filesystem, without --capacity): what
+            # a full disk answers, nothing changed (the statement's transaction undone).
+            _say_full(name)
+            raise FUSEError(errno.ENOSPC) from None
         except Exception:
             log.exception("unexpected error in %s", name)
             raise FUSEError(errno.EIO) from None

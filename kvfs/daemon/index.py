@@ -249,11 +249,14 @@ class Index:
         self.db.execute("BEGIN IMMEDIATE")
         try:
             yield
+            self.db.execute("COMMIT")
         except BaseException:
-            self.db.execute("ROLLBACK")
+            # (A COMMIT that fails, the disk full, may leave the transaction open: it is
+            # rolled back too, or every later BEGIN would fail.)
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
             self.changed(None)  # what was said of rows within it no longer holds
             raise
-        self.db.execute("COMMIT")
 
     #: Indexes a bulk load goes without, and rebuilds once at its end.
     SECONDARY = ("nodes_by_parent", "nodes_by_block", "nodes_by_atime", "nodes_usage",
