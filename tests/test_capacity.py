@@ -400,11 +400,14 @@ def test_a_full_backing_filesystem_answers_enospc_and_recovers(mount_factory):
                 except OSError as exc:
                     seen.add(exc.errno)
         assert seen == {errno.ENOSPC}, [errno.errorcode[e] for e in seen]
+        status = kvfs("status", str(m.mnt)).stdout
+        assert "of the backing filesystem (0 B free: full, writes are refused)" in status
         for f in ns.glob("f*"):
             f.unlink()
         (ns / "after").write_bytes(b"room again")
         (ns / "d").mkdir()
         assert (ns / "after").read_bytes() == b"room again"
+        assert "free: full" not in kvfs("status", str(m.mnt)).stdout
         assert "unexpected error" not in m.log_text()
         m.stop()
     finally:

@@ -19,10 +19,20 @@ def _hit_pct(c: dict[str, int]) -> str:
     return f"{100 * hits / total:.1f}" if total else "-"
 
 
+def _backing_free(backing: str) -> str:
+    """What the backing filesystem has free, as said beside a mount without a capacity."""
+    try:
+        st = os.statvfs(backing)
+    except OSError:
+        return ""
+    free = st.f_bavail * st.f_frsize
+    return f" ({human(free)} free{': full, writes are refused' if free == 0 else ''})"
+
+
 def status_lines(stats: dict[str, Any]) -> list[str]:
     cap = stats.get("capacity_bytes")
     used = stats["used_bytes"]
-    pct = f" ({100 * used / cap:.1f} %)" if cap else ""
+    pct = f" ({100 * used / cap:.1f} %)" if cap else _backing_free(stats["backing"])
     lines = [f"kvfs {stats['version']}  mount {stats['mountpoint']}  backing {stats['backing']}  "
              f"pid {stats['pid']}",
              f"hot: {human(used)} of {human(cap) if cap else 'the backing filesystem'}{pct}, "
