@@ -245,6 +245,16 @@ def test_mount_refuses_directories_that_overlap(tmp_path):
         assert res.returncode == 1 and why in res.stderr, (args, res.stderr)
         assert not any(os.path.ismount(p) for p in (b, m, tmp_path, b / "sub"))
     assert sorted(os.listdir(b)) == [".kvfs", "sub"] and os.listdir(m) == []
+    # Logs that cannot be written: one line each, nothing mounted.
+    nowhere = b / "sub" / "f" / "x.log"  # below a file
+    (b / "sub" / "f").write_bytes(b"")
+    for args, why in ((("--audit", nowhere), f"cannot open the audit log {nowhere}"),
+                      (("--log", nowhere), f"cannot write the log {nowhere}"),
+                      (("--foreground", "--log", nowhere), f"cannot write the log {nowhere}")):
+        res = kvfs("mount", str(b), str(m), *map(str, args), check=False, timeout=60)
+        assert res.returncode == 1 and why in res.stderr and "Traceback" not in res.stderr, (
+            args, res.stderr)
+        assert not os.path.ismount(m)
 
 
 def _in_mountinfo(path: Path) -> bool:

@@ -44,8 +44,11 @@ def cmd_mount(args: argparse.Namespace) -> int:
         raise CliError(f"backing directory {opts.backing} does not exist")
     if not os.path.isdir(opts.mountpoint):
         raise CliError(f"mount point {opts.mountpoint} is not a directory")
-    os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
-    private_log(log_file)
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(log_file)), mode=0o700, exist_ok=True)
+        private_log(log_file)
+    except OSError as exc:
+        raise CliError(f"cannot write the log {log_file}: {exc.strerror}") from None
     rfd, wfd = os.pipe()
     cmd = [sys.executable, "-m", "kvfs.cli", "mount", *settings.daemon_argv(values),
            "--foreground", "--ready-fd", str(wfd)]
@@ -67,7 +70,10 @@ def cmd_mount(args: argparse.Namespace) -> int:
 def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> int:
     from ..daemon.mount import MountError, run  # noqa: PLC0415
 
-    setup_logging(log_file, opts.debug)
+    try:
+        setup_logging(log_file, opts.debug)
+    except OSError as exc:
+        raise CliError(f"cannot write the log {log_file}: {exc.strerror}") from None
 
     def ready() -> None:
         if ready_fd is not None:

@@ -293,6 +293,10 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     if os.path.ismount(mountpoint):
         raise MountError(f"{mountpoint} is already a mount point")
     check_places(opts, mountpoint)
+    try:
+        audit = Audit(opts.audit) if opts.audit else None
+    except OSError as exc:
+        raise MountError(f"cannot open the audit log {opts.audit}: {exc.strerror}") from None
     tiering = make_tiering(opts)
     index, store, lock_fd = prepare(opts)
     info = MountInfo(mountpoint=mountpoint, backing=os.fsdecode(store.root),
@@ -302,7 +306,6 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
                      hot_codec=opts.hot_codec, hot_encrypt=opts.hot_encrypt)
     owner = os.stat(mountpoint).st_uid if os.getuid() != 0 else 0
     keyring = make_keyring(opts, os.fsdecode(store.state_dir), tiering)
-    audit = Audit(opts.audit) if opts.audit else None
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
                      tiering=tiering, keyring=keyring, audit=audit,
                      writeback_cache=opts.writeback_cache,
