@@ -57,6 +57,13 @@ def _stats_path(mountpoint: str) -> str:
     return os.path.join(mountpoint, ".kvfs", "stats.json")
 
 
+def mount_path(path: str) -> str:
+    """`path` as the mount table names it: absolute, its parents' links resolved (not the
+    path itself: resolving a mount point is a request to its daemon, which may not answer)."""
+    path = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+
+
 #: How long a command waits for the daemon to answer before it says that it does not.
 ANSWER_TIMEOUT = 10.0
 
@@ -66,7 +73,7 @@ def read_stats(mountpoint: str, timeout: float = ANSWER_TIMEOUT) -> dict[str, An
     /proc/self/mountinfo (a stat of the mount point would wait on its daemon); a daemon that
     does not answer within `timeout` (stopped, or hung) is said, not waited for: the read is
     left in a thread the command's exit ends."""
-    mountpoint = os.path.abspath(mountpoint)
+    mountpoint = mount_path(mountpoint)
     fields = mount_fields(mountpoint)
     if fields is None:
         raise CliError(f"{mountpoint} is not mounted", EXIT_NOT_MOUNTED)

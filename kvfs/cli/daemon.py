@@ -20,6 +20,7 @@ from .common import (
     EXIT_USAGE,
     CliError,
     log,
+    mount_path,
     private_log,
     read_stats,
     setup_logging,
@@ -92,7 +93,7 @@ def _mount_foreground(opts: Any, log_file: str | None, ready_fd: int | None) -> 
 
 
 def cmd_umount(args: argparse.Namespace) -> int:
-    mountpoint = os.path.abspath(args.mountpoint)
+    mountpoint = mount_path(args.mountpoint)
     try:
         pid = read_stats(mountpoint, timeout=2.0 if args.force else ANSWER_TIMEOUT).get("pid")
     except CliError as exc:
