@@ -89,6 +89,9 @@ def test_mount_from_config_and_second_daemon_refused(mount_factory, tmp_path):
     assert res.returncode == 1 and "in use by another kvfs process" in res.stderr
     res = kvfs("mount", str(m.backing), str(m.mnt), check=False)
     assert res.returncode == 1 and "already a mount point" in res.stderr
+    # Through a path whose parent is a link (the mount table has the resolved one).
+    (tmp_path / "link").symlink_to(m.mnt.parent)
+    assert kvfs("status", str(tmp_path / "link" / m.mnt.name)).stdout.startswith("kvfs ")
     # A process inside the mount keeps it busy: said, with how to find it; still mounted.
     holder = subprocess.Popen(["sleep", "30"], cwd=m.mnt)
     try:
