@@ -108,6 +108,26 @@ def test_open_makes_namespace_and_manifest(mount, tenant):
         KVCache.open(mount.mnt.parent / "nowhere", tenant=tenant, spec=SPEC)
 
 
+def test_misuse_is_a_clear_error(mount, tenant):
+    """A hash that is not bytes, and any call after close(), are said plainly (an
+    AttributeError from inside the save, and the thread pool's own 'cannot schedule new
+    futures' before)."""
+    with KVCache.open(mount.mnt, tenant=tenant, spec=SPEC) as c:
+        hashes = c.block_hashes(tokens(2))
+        kv = kv_of(hashes)
+        for call in (lambda: c.save(["a" * 16], kv[:1]), lambda: c.lookup([hashes[0].hex()])):
+            with pytest.raises(ValueError, match="a block hash is 16 bytes, got a str"):
+                call()
+        assert c.save(hashes, kv) == 2
+    out = torch.zeros_like(kv)
+    for call in (lambda: c.save(hashes, kv), lambda: c.save_async(hashes, kv),
+                 lambda: c.load(hashes, out), lambda: c.load_async(hashes, out),
+                 lambda: c.lookup(hashes)):
+        with pytest.raises(RuntimeError, match="KVCache is closed"):
+            call()
+    c.close()  # again: nothing to do
+
+
 def test_round_trip_in_another_process(mount, cache):
     toks = tokens(5) + [1, 2]  # a partial tail block is not hashed
     hashes = cache.block_hashes(toks)

@@ -179,7 +179,8 @@ class KVCache(Saving, LayerwiseLoading):
         self._counters = dict.fromkeys(_COUNTERS, 0)
         # Every call to the daemon, access records sent in order by its control thread.
         self._channel = ControlChannel(ns_dir, self._count)
-        self._closed = False
+        self._closed = False  # no more save_async (close() has begun)
+        self._shut = False  # close() is done: nothing more at all
         try:  # the mount's lower tiers: a hot miss may still be a hit there
             self.tiers = [t for t in os.getxattr(ns_dir, TIERS_XATTR).decode().split(",") if t]
         except OSError:
@@ -270,6 +271,7 @@ class KVCache(Saving, LayerwiseLoading):
         remote.forget(self.ns_dir)
         self.keys.forget()
         leases.forget(self.ns_dir)
+        self._shut = True
 
     def __enter__(self) -> KVCache:
         return self
@@ -313,8 +315,10 @@ class KVCache(Saving, LayerwiseLoading):
     def path(self, h: bytes) -> str:
         """Where block ``h`` is read and written (backing directory, or the mount):
         ``<data_dir>/<hh>/<hash>.kv`` (:func:`kvfs.format.hashing.block_relpath`)."""
-        if len(h) != 16:
-            raise ValueError(f"a block hash is 16 bytes, got {len(h)}")
+        if not isinstance(h, (bytes, bytearray)) or len(h) != 16:
+            raise ValueError("a block hash is 16 bytes, got "
+                             + (f"{len(h)}" if isinstance(h, (bytes, bytearray))
+                                else f"a {type(h).__name__}"))
         x = h.hex()
         return f"{self._data_prefix}{x[:2]}/{x}.kv"
 
@@ -327,6 +331,7 @@ class KVCache(Saving, LayerwiseLoading):
         (for example, the time to recompute them): what has not arrived by then is a miss
         for this lookup, and keeps arriving in the background for the next one. None: each
         fetch is bounded by the mount's fetch deadline only."""
+        self._check_open()
         n = leases.take(self.ns_dir, self.path, hashes)  # the hot prefix, leased to the load
         fetched = n < len(hashes) and bool(self.tiers)
         if fetched and self._grants:

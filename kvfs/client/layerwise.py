@@ -90,6 +90,7 @@ class LayerwiseLoading(Loading):
 
         Reads are issued layer-major (layer 0 of every block first), one per block and layer.
         """
+        self._check_open()
         blocks = self._blocks(out, len(hashes), "out")
         handle = LoadHandle(self.spec.num_layers)
         ready = None

@@ -36,6 +36,13 @@ class Layouts:
 
     spec: ModelSpec
     _dtype: torch.dtype
+    _shut: bool
+
+    def _check_open(self) -> None:
+        """A save, load or lookup after close() is refused (its threads are gone); those that
+        close() itself finishes (the queued saves) are not."""
+        if self._shut:
+            raise RuntimeError("KVCache is closed")
 
     def _check_tensor(self, t: torch.Tensor, what: str, shape: tuple[int, ...]) -> None:
         if not isinstance(t, torch.Tensor):

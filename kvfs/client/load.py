@@ -162,6 +162,7 @@ class Loading(Layouts):
         for are fetched from their tier into the same memory (:meth:`_load_granted`);
         their hot copies are written from it (``own``: torch tensors, which the writer
         holds alive) or from copies (memory the caller's engine manages)."""
+        self._check_open()
         below: set[int] = set()
         leased = {hashes[i]: fd for i, fd in leases.claim(self.ns_dir, hashes, below).items()}
         try:

@@ -113,6 +113,7 @@ class Saving(Layouts):
         ``parent`` is the hash before ``hashes[0]`` (a chain continued from elsewhere).
         Raises :class:`CacheFull` if the daemon refuses blocks for want of space.
         """
+        self._check_open()
         blocks = self._blocks(kv, len(hashes), "kv")
         stream_done(kv)
         sums = None
