@@ -30,7 +30,6 @@ from ..format import hashing
 from . import stats_json, virtual
 from .adoption import Adoption
 from .audit import Audit
-from .capacity import Limits
 from .commands import Commands
 from .door import Door
 from .governance import Governance
@@ -102,16 +101,10 @@ class Operations(pyfuse3.Operations):
     # -- the mount's life (kvfs.daemon.mount) ----------------------------------------------------
 
     def load_limits(self) -> None:
-        """Read every tenant's limits from its backing directory (blocking: before serving).
-        A tenant whose directory is gone or not one (changed while unmounted) gets none."""
+        """Read every tenant's limits from its backing directory (blocking: before serving;
+        a tenant whose directory went away while unmounted was reconciled out before)."""
         for t in self.index.tenants():
-            try:
-                limits = self.store.read_limits(t.name)
-            except OSError as exc:
-                log.warning("tenant %s: its backing directory cannot be read (%s): no limits",
-                            t.name.decode(errors="replace"), exc.strerror)
-                limits = Limits()
-            self.residency.limits[t.inode] = limits
+            limits = self.residency.limits[t.inode] = self.store.read_limits(t.name)
             self.governance.set_placement(t.name.decode(errors="surrogateescape"),
                                           limits.placement)
 
