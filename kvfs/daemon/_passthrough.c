@@ -69,6 +69,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
@@ -98,7 +99,7 @@
 /* What may stand beside FOPEN_PASSTHROUGH (the kernel refuses anything else with EINVAL). */
 #define PASSTHROUGH_KEEP (FOPEN_PARALLEL_DIRECT_WRITES | FOPEN_NOFLUSH)
 enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18,
-       OP_FSYNC = 20, OP_GETXATTR = 22, OP_FLUSH = 25, N_OPS = 64 };
+       OP_FSYNC = 20, OP_GETXATTR = 22, OP_FLUSH = 25, OP_CREATE = 35, N_OPS = 64 };
 /* The daemon's entry and attribute timeout (kvfs.daemon.tree ENTRY_TIMEOUT), in seconds. */
 #define TIMEOUT_S 10
 #define NAME_MAX_ 255
@@ -414,7 +415,9 @@ static int reply(uint64_t unique, int error, const void *body, size_t len)
 /* Names missed recently: one slot per hash of (directory, name), the newest kept. */
 #define RECENT_SLOTS 4096
 
-struct dir { uint64_t ino; int64_t misses; int fd; int used; int below; };
+/* `tenant`: creates in it may be answered here while that tenant's grant is on (section 3);
+ * 0: they are the daemon's. */
+struct dir { uint64_t ino; int64_t misses; int fd; int used; int below; uint64_t tenant; };
 struct recent { uint64_t hash; int64_t first_ns; uint32_t count; };
 
 static struct dir dirs[DIR_SLOTS];  /* guarded by table_lock */
@@ -532,6 +535,287 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
     return 1;
 }
 
+/* -- 3. creates and their flushes ---------------------------------------------------------- */
+
+/* With the bytes passing through, what a new file costs is its CREATE and the FLUSH at its
+ * close, each a round trip through pyfuse3's loop. In a directory the daemon handed over
+ * with its tenant (`dir_put`) and while that tenant's *grant* is on (`grant_add`), the
+ * thread answers both:
+ *   - CREATE of a name the backing directory lacks (a writable regular file): the backing
+ *     file is made O_EXCL relative to the directory's fd, owned by the caller, registered as
+ *     a backing file, and numbered from inodes the daemon leased it from the index's
+ *     sequence (`lease`); the handle is C_MADE | a slot of the `made` table.
+ *   - FLUSH of such a handle, while nothing but the thread has settled its file (`solo`):
+ *     its growth since it was last settled is taken from the tenant's grant (bytes the daemon
+ *     reserved for it against the tenant's quota and the mount's capacity); a growth the
+ *     grant cannot cover is the daemon's, which makes room or refuses as before.
+ * Before it replies, the thread appends a record of what it did to the *journal* (a file of
+ * the daemon's state directory) and queues it for the daemon (`made_harvest`), which indexes
+ * the file, registers the handle and counts the growth before it serves any other request,
+ * then trims the journal. The daemon starts by replaying what a journal holds beyond its
+ * last harvest (kvfs.daemon.made): a daemon killed between the reply and the harvest leaves
+ * no file the index does not know. RELEASE, FSYNC and everything else about the file stay
+ * the daemon's; it drops the handle from the table (`made_drop`) before it closes the fd. */
+#define C_MADE (1ull << 62)
+#define MADE_SLOTS 4096         /* handles of created files open at once */
+#define GRANT_SLOTS 256         /* tenants with a grant */
+#define MAX_EVENTS 65536        /* queued for the daemon: beyond, creates are the daemon's */
+#define JOURNAL_MAX (64ll << 20)
+#define JOURNAL_MAGIC 0x6b76666au  /* "jfvk" */
+#define FUSE_DEV_IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
+#define FUSE_DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
+enum { EV_CREATE = 1, EV_FLUSH = 2 };
+
+struct backing_map { int32_t fd; uint32_t flags; uint64_t padding; };
+
+/* One journal record; also what the daemon harvests (kvfs.daemon.made RECORD). */
+struct record {
+    uint32_t magic, kind;
+    uint64_t seq, ino, parent, backing_ino, size;
+    int64_t time_ns, growth;
+    uint32_t mode, uid, gid, name_len;
+    char name[NAME_MAX_ + 1];
+};
+
+struct event { struct record r; uint64_t fh; int32_t fd, backing_id; uint32_t pid, pad; };
+
+struct made { uint64_t fh, ino, tenant; int64_t settled; int fd; int solo; int used; };
+struct grant { uint64_t tenant; int64_t left; };
+
+static struct made made[MADE_SLOTS];  /* guarded by table_lock, like all of this section */
+static int made_free[MADE_SLOTS], made_free_n;
+static struct grant grants[GRANT_SLOTS];
+static int64_t cap_left = -1;         /* bytes of the capacity granted; -1: no capacity */
+static uint64_t ino_next, ino_end;    /* inode numbers leased */
+static struct event *events;
+static size_t n_events, events_room;
+static int journal_fd = -1;
+static int64_t journal_size;
+static uint64_t journal_seq;
+static int creating;                  /* the thread is between its create and its record */
+static unsigned long long made_creates, made_flushes, made_refused;
+
+static void made_reset(void)
+{
+    for (int i = 0; i < MADE_SLOTS; i++) {
+        memset(&made[i], 0, sizeof(made[i]));
+        made_free[i] = MADE_SLOTS - 1 - i;
+    }
+    made_free_n = MADE_SLOTS;
+    memset(grants, 0, sizeof(grants));
+    cap_left = -1;
+    ino_next = ino_end = 0;
+    free(events);
+    events = NULL;
+    n_events = events_room = 0;
+    if (journal_fd >= 0)
+        close(journal_fd);
+    journal_fd = -1;
+    journal_size = 0;
+    made_creates = made_flushes = made_refused = 0;
+}
+
+static struct grant *grant_find(uint64_t tenant, int add)
+{
+    struct grant *free_g = NULL;
+    for (int i = 0; i < GRANT_SLOTS; i++) {
+        if (grants[i].tenant == tenant)
+            return &grants[i];
+        if (!grants[i].tenant && !free_g)
+            free_g = &grants[i];
+    }
+    if (add && free_g) {
+        free_g->tenant = tenant;
+        free_g->left = -1;  /* off */
+        return free_g;
+    }
+    return NULL;
+}
+
+/* Queue and journal `ev` (its record filled but for magic and seq): 0, or -1 (nothing kept). */
+static int record(struct event *ev)
+{
+    if (n_events == events_room) {
+        size_t room = events_room ? events_room * 2 : 256;
+        struct event *more = realloc(events, room * sizeof(*events));
+        if (!more)
+            return -1;
+        events = more;
+        events_room = room;
+    }
+    ev->r.magic = JOURNAL_MAGIC;
+    ev->r.seq = journal_seq + 1;
+    ssize_t n = write(journal_fd, &ev->r, sizeof(ev->r));
+    if (n != (ssize_t)sizeof(ev->r)) {
+        if (n > 0)  /* a torn record: cut off, so that the journal stays whole records */
+            ftruncate(journal_fd, journal_size);
+        return -1;
+    }
+    journal_seq++;
+    journal_size += n;
+    events[n_events++] = *ev;
+    return 0;
+}
+
+static int valid_name(const char *name, size_t n)
+{
+    return n && n <= NAME_MAX_ && !(name[0] == '.' && (n == 1 || (n == 2 && name[1] == '.'))) &&
+           !memchr(name, '/', n);
+}
+
+/* A CREATE in directory `dino` answered here (1), or left to the daemon (0). Called with the
+ * lock, which it lets go during the backing file's creation. */
+static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req, size_t len)
+{
+    const unsigned char *in = req + IN_HEADER;  /* fuse_create_in {flags, mode, umask, open_flags} */
+    if (journal_fd < 0 || len < IN_HEADER + 16 + 2 || journal_size >= JOURNAL_MAX)
+        return 0;
+    uint32_t flags = get32(in), mode = get32(in + 4), umask_ = get32(in + 8);
+    const char *name = (const char *)in + 16;
+    size_t room = len - IN_HEADER - 16, n = strnlen(name, room);
+    if (n == room || !valid_name(name, n) || (flags & O_ACCMODE) == O_RDONLY || !S_ISREG(mode))
+        return 0;
+    struct dir *d = dir_find(dino, NULL);
+    if (!d || !d->tenant || (d->below && may_be_below(name, n)))
+        return 0;
+    struct grant *g = grant_find(d->tenant, 0);
+    if (!g || g->left < 0 || ino_next >= ino_end || n_events >= MAX_EVENTS || !made_free_n)
+        return 0;
+    uint32_t uid = get32(req + 24), gid = get32(req + 28), pid = get32(req + 32);
+    uint32_t perm = mode & 07777 & ~umask_;
+    uint64_t ino = ino_next++, tenant = d->tenant;  /* a number lost if this fails: never reused */
+    int slot = made_free[--made_free_n];
+    /* As the daemon opens a backing file for writing (kvfs.daemon.openfiles backing_flags):
+     * read-write, O_DIRECT not passed on. */
+    int bflags = (int)(flags & (O_SYNC | O_DSYNC)) | O_RDWR;
+    int dfd = busy_fd = d->fd;
+    busy_closed = 0;
+    creating = 1;
+    pthread_mutex_unlock(&table_lock);
+    int64_t t = now_ns();
+    struct stat st;
+    int32_t id = -1;
+    int fd = openat(dfd, name, bflags | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK,
+                    perm);
+    if (fd >= 0) {
+        struct backing_map map = {fd, 0, 0};
+        if (fcntl(fd, F_SETFL, bflags & ~O_ACCMODE) == 0 && fchown(fd, uid, gid) == 0 &&
+            fchmod(fd, perm) == 0 && fstat(fd, &st) == 0)
+            id = ioctl(dev_fd, FUSE_DEV_IOC_BACKING_OPEN, &map);
+    }
+    pthread_mutex_lock(&table_lock);
+    struct event ev;
+    memset(&ev, 0, sizeof(ev));
+    if (id > 0) {
+        ev.r.kind = EV_CREATE;
+        ev.r.ino = ino;
+        ev.r.parent = dino;
+        ev.r.backing_ino = st.st_ino;
+        ev.r.time_ns = t;
+        ev.r.mode = S_IFREG | perm;
+        ev.r.uid = uid;
+        ev.r.gid = gid;
+        ev.r.name_len = (uint32_t)n;
+        memcpy(ev.r.name, name, n);
+        ev.fh = C_MADE | (uint64_t)slot;
+        ev.fd = fd;
+        ev.backing_id = id;
+        ev.pid = pid;
+        if (record(&ev) != 0) {
+            uint32_t bid = (uint32_t)id;
+            ioctl(dev_fd, FUSE_DEV_IOC_BACKING_CLOSE, &bid);
+            id = -1;
+        }
+    }
+    if (id <= 0 && fd >= 0) {  /* made but not handed out: gone again, the daemon's to try */
+        unlinkat(dfd, name, 0);
+        close(fd);
+    }
+    if (busy_closed)
+        close(busy_fd);
+    busy_fd = -1;
+    creating = 0;
+    if (id <= 0) {
+        made_free[made_free_n++] = slot;
+        if (fd >= 0)
+            made_refused++;
+        return 0;
+    }
+    made[slot] = (struct made){ev.fh, ino, tenant, 0, fd, 1, 1};
+    made_creates++;
+    /* Its directory's times changed: the daemon puts its attributes again at the harvest. */
+    struct entry *pe = find(dino, NULL);
+    if (pe && pe->state == LIVE && !pe->backing_id)
+        forget_entry(pe);
+    /* fuse_entry_out (nodeid, generation, entry_valid, attr_valid, their nsec, fuse_attr),
+     * then fuse_open_out: as the daemon answers a create (kvfs.daemon.tree attrs). */
+    unsigned char out[ENTRY_OUT + OPEN_OUT];
+    memset(out, 0, sizeof(out));
+    put64(out, ino);
+    put64(out + 16, TIMEOUT_S);
+    put64(out + 24, TIMEOUT_S);
+    unsigned char *a = out + 40;
+    put64(a, ino);
+    for (int i = 0; i < 3; i++) {  /* atime, mtime, ctime */
+        put64(a + 24 + 8 * i, (uint64_t)(t / 1000000000));
+        put32(a + 48 + 4 * i, (uint32_t)(t % 1000000000));
+    }
+    put32(a + 60, S_IFREG | perm);
+    put32(a + 64, 1);
+    put32(a + 68, uid);
+    put32(a + 72, gid);
+    put32(a + 80, 128 * 1024);  /* kvfs.daemon.tree BLKSIZE */
+    put64(out + ENTRY_OUT, ev.fh);
+    put32(out + ENTRY_OUT + 8, FOPEN_PASSTHROUGH);
+    memcpy(out + ENTRY_OUT + 12, &id, 4);
+    reply(unique, 0, out, sizeof(out));
+    return 1;
+}
+
+/* A FLUSH of a handle the thread created, answered here (1) when its growth fits the
+ * tenant's grant (and the capacity's), or left to the daemon (0). */
+static int flush_made(uint64_t unique, uint64_t fh)
+{
+    struct made *m = &made[fh & (MADE_SLOTS - 1)];
+    if (!m->used || m->fh != fh || !m->solo)
+        return 0;
+    if (journal_fd < 0 || n_events >= MAX_EVENTS) {
+        m->solo = 0;  /* the daemon settles it, and from now on every flush of it */
+        return 0;
+    }
+    struct grant *g = grant_find(m->tenant, 0);
+    struct stat st;
+    int64_t growth = 0;
+    if (!g || fstat(m->fd, &st) != 0 ||
+        ((growth = (int64_t)st.st_size - m->settled) > 0 &&
+         (growth > g->left || (cap_left >= 0 && growth > cap_left)))) {
+        m->solo = 0;  /* the daemon settles this one: its later flushes are the daemon's too */
+        return 0;
+    }
+    struct event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.r.kind = EV_FLUSH;
+    ev.r.ino = m->ino;
+    ev.r.size = (uint64_t)st.st_size;
+    ev.r.time_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    ev.r.growth = growth;
+    ev.fh = fh;
+    ev.fd = m->fd;
+    if (record(&ev) != 0) {
+        m->solo = 0;
+        return 0;
+    }
+    if (growth > 0) {
+        g->left -= growth;
+        if (cap_left >= 0)
+            cap_left -= growth;
+    }
+    m->settled = st.st_size;
+    made_flushes++;
+    reply(unique, 0, NULL, 0);
+    return 1;
+}
+
 /* The request in `req` answered here (1), or left to the daemon (0). Called with the lock. */
 static int answer(const unsigned char *req, size_t len)
 {
@@ -600,6 +884,8 @@ static int answer(const unsigned char *req, size_t len)
         reply(unique, 0, out, sizeof(out));
         return 1;
     }
+    case OP_CREATE:
+        return create_file(unique, ino, req, len);
     case OP_RELEASE:  /* fuse_release_in {u64 fh, ...}; the others: {u64 fh, ...} too */
     case OP_FLUSH:
     case OP_FSYNC:
@@ -607,6 +893,8 @@ static int answer(const unsigned char *req, size_t len)
         if (len < IN_HEADER + 8)
             return 0;
         uint64_t fh = get64(in);
+        if (opcode == OP_FLUSH && (fh & C_MADE) && !(fh & C_FH))
+            return flush_made(unique, fh);
         if (!(fh & C_FH))
             return 0;
         if (opcode == OP_READ) {
@@ -888,6 +1176,7 @@ static PyObject *py_hook(PyObject *self, PyObject *args)
     memset(answered, 0, sizeof(answered));
     forwarded = 0;
     dirs_reset();
+    made_reset();
     miss_window_ns = (int64_t)(window * 1e9);
     pthread_mutex_unlock(&table_lock);
     if (!table)
@@ -928,6 +1217,7 @@ static PyObject *py_unhook(PyObject *self, PyObject *noargs)
     names = NULL;
     table_slots = table_used = table_live = names_used = 0;
     dirs_reset();
+    made_reset();
     pthread_mutex_unlock(&table_lock);
     fuse_fd = dev_fd = -1;
     init_armed = armed = 0;
@@ -1106,9 +1396,9 @@ static PyObject *py_ready_harvest(PyObject *self, PyObject *noargs)
 static PyObject *py_dir_put(PyObject *self, PyObject *args)
 {
     /* True: the thread answers missing names of directory `ino` from now on and owns `fd` */
-    unsigned long long ino;
+    unsigned long long ino, tenant = 0;
     int fd, below = 0;
-    if (!PyArg_ParseTuple(args, "Ki|p", &ino, &fd, &below))
+    if (!PyArg_ParseTuple(args, "Ki|pK", &ino, &fd, &below, &tenant))
         return NULL;
     int put = 0;
     pthread_mutex_lock(&table_lock);
@@ -1120,6 +1410,7 @@ static PyObject *py_dir_put(PyObject *self, PyObject *args)
         slot->misses = 0;
         slot->used = 1;
         slot->below = below;
+        slot->tenant = tenant;
         dirs_used++;
         put = 1;
     }
@@ -1219,6 +1510,170 @@ static PyObject *py_miss_put(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *py_made_start(PyObject *self, PyObject *args)
+{
+    /* made_start(journal_fd, seq): the thread may answer creates, journaling them on
+     * journal_fd (the module's from now on), their records numbered after seq */
+    int fd;
+    unsigned long long seq;
+    if (!PyArg_ParseTuple(args, "iK", &fd, &seq))
+        return NULL;
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    pthread_mutex_lock(&table_lock);
+    if (journal_fd >= 0)
+        close(journal_fd);
+    journal_fd = fd;
+    journal_size = st.st_size;
+    journal_seq = seq;
+    pthread_mutex_unlock(&table_lock);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_lease(PyObject *self, PyObject *args)
+{
+    /* lease(first, end): inode numbers [first, end) are the thread's to give new files */
+    unsigned long long first, end;
+    if (!PyArg_ParseTuple(args, "KK", &first, &end))
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    ino_next = first;
+    ino_end = end;
+    pthread_mutex_unlock(&table_lock);
+    Py_RETURN_NONE;
+}
+
+/* Add `delta` to a grant (`*left`, -1: off, turned on at 0 first); what was added (less than a
+ * negative delta where less was left). */
+static long long add_to(int64_t *left, long long delta)
+{
+    if (*left < 0)
+        *left = 0;
+    if (delta < -*left)
+        delta = -*left;
+    *left += delta;
+    return delta;
+}
+
+static PyObject *py_grant_add(PyObject *self, PyObject *args)
+{
+    /* grant_add(tenant, delta) -> added: creates of tenant may be answered (turned on), and
+     * its flushes grow files by up to the grant's bytes; a negative delta takes back */
+    unsigned long long tenant;
+    long long delta, added = 0;
+    if (!PyArg_ParseTuple(args, "KL", &tenant, &delta))
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    struct grant *g = tenant ? grant_find(tenant, 1) : NULL;
+    if (g)
+        added = add_to(&g->left, delta);
+    pthread_mutex_unlock(&table_lock);
+    if (!g)
+        return PyErr_Format(PyExc_ValueError, "no grant slot for tenant %llu", tenant);
+    return PyLong_FromLongLong(added);
+}
+
+static PyObject *py_grant_off(PyObject *self, PyObject *args)
+{
+    /* grant_off(tenant) -> bytes taken back: no more creates or flushes of tenant here */
+    unsigned long long tenant;
+    if (!PyArg_ParseTuple(args, "K", &tenant))
+        return NULL;
+    long long left = 0;
+    pthread_mutex_lock(&table_lock);
+    struct grant *g = grant_find(tenant, 0);
+    if (g) {
+        left = g->left > 0 ? g->left : 0;
+        g->left = -1;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyLong_FromLongLong(left);
+}
+
+static PyObject *py_cap_add(PyObject *self, PyObject *args)
+{
+    /* cap_add(delta) -> added: the mount has a capacity, of which flushes here may take the
+     * grant's bytes (without a call, they are not limited by one) */
+    long long delta, added;
+    if (!PyArg_ParseTuple(args, "L", &delta))
+        return NULL;
+    pthread_mutex_lock(&table_lock);
+    added = add_to(&cap_left, delta);
+    pthread_mutex_unlock(&table_lock);
+    return PyLong_FromLongLong(added);
+}
+
+static PyObject *py_made_harvest(PyObject *self, PyObject *noargs)
+{
+    /* ([(kind, seq, fh, inode, parent, name, mode, uid, gid, pid, fd, backing_id, backing
+     * inode, size, time_ns, growth)], last seq, inodes left in the lease) */
+    pthread_mutex_lock(&table_lock);
+    struct event *got = events;
+    size_t n = n_events;
+    unsigned long long seq = journal_seq, left = ino_end - ino_next;
+    events = NULL;
+    n_events = events_room = 0;
+    pthread_mutex_unlock(&table_lock);
+    PyObject *out = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; out && i < n; i++) {
+        struct record *r = &got[i].r;
+        PyObject *t = Py_BuildValue("(IKKKKy#IIIIiiKKLL)", r->kind, r->seq, got[i].fh, r->ino,
+                                    r->parent, r->name, (Py_ssize_t)r->name_len, r->mode,
+                                    r->uid, r->gid, got[i].pid, got[i].fd, got[i].backing_id,
+                                    r->backing_ino, r->size, (long long)r->time_ns,
+                                    (long long)r->growth);
+        if (!t)
+            Py_CLEAR(out);
+        else
+            PyList_SET_ITEM(out, (Py_ssize_t)i, t);
+    }
+    free(got);
+    if (!out)
+        return NULL;
+    return Py_BuildValue("(NKK)", out, seq, left);
+}
+
+static PyObject *py_made_trim(PyObject *self, PyObject *args)
+{
+    /* made_trim(seq) -> bool: the journal emptied, if nothing was recorded after seq */
+    unsigned long long seq;
+    if (!PyArg_ParseTuple(args, "K", &seq))
+        return NULL;
+    int trimmed = 0;
+    pthread_mutex_lock(&table_lock);
+    if (journal_fd >= 0 && !creating && !n_events && journal_seq == seq && journal_size &&
+        ftruncate(journal_fd, 0) == 0) {
+        journal_size = 0;
+        trimmed = 1;
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyBool_FromLong(trimmed);
+}
+
+static PyObject *py_made_drop(PyObject *self, PyObject *args)
+{
+    /* made_drop(fh, unsolo_only=False) -> bool: the daemon settles fh's flushes from now on
+     * (unsolo_only), or fh is released (its slot free; the daemon closes the fd after) */
+    unsigned long long fh;
+    int only = 0;
+    if (!PyArg_ParseTuple(args, "K|p", &fh, &only))
+        return NULL;
+    int found = 0;
+    pthread_mutex_lock(&table_lock);
+    struct made *m = &made[fh & (MADE_SLOTS - 1)];
+    if ((fh & C_MADE) && m->used && m->fh == fh) {
+        found = 1;
+        m->solo = 0;
+        if (!only) {
+            memset(m, 0, sizeof(*m));
+            made_free[made_free_n++] = (int)(fh & (MADE_SLOTS - 1));
+        }
+    }
+    pthread_mutex_unlock(&table_lock);
+    return PyBool_FromLong(found);
+}
+
 static PyObject *py_state(PyObject *self, PyObject *noargs)
 {
     PyObject *ops = PyDict_New();
@@ -1227,11 +1682,13 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
     static const struct { int op; const char *name; } names[] = {
         {OP_GETATTR, "getattr"}, {OP_OPEN, "open"}, {OP_RELEASE, "release"},
         {OP_FSYNC, "fsync"}, {OP_GETXATTR, "getxattr"}, {OP_FLUSH, "flush"},
-        {OP_READ, "read"}, {OP_LOOKUP, "lookup"}};
+        {OP_READ, "read"}, {OP_LOOKUP, "lookup"}, {OP_CREATE, "create"}};
     enum { N = sizeof(names) / sizeof(names[0]) };
     pthread_mutex_lock(&table_lock);
     unsigned long long counts[N], fwd = forwarded;
     size_t live = table_live;
+    unsigned long long creates = made_creates, flushes = made_flushes, refused = made_refused;
+    unsigned long long leased = ino_end - ino_next;
     for (int i = 0; i < N; i++)
         counts[i] = answered[names[i].op];
     pthread_mutex_unlock(&table_lock);
@@ -1244,13 +1701,15 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         }
         Py_DECREF(v);
     }
-    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n}",
+    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n,s:K,s:K,s:K,s:K}",
                          "init_seen", init_seen ? Py_True : Py_False,
                          "init_offered", init_offered ? Py_True : Py_False,
                          "init_flags", init_flags, "init_minor", init_minor,
                          "opens_patched", opens_patched, "opens_missed", opens_missed,
                          "routed", thread_running ? Py_True : Py_False,
-                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live);
+                         "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live,
+                         "made_creates", creates, "made_flushes", flushes,
+                         "made_refused", refused, "leased", leased);
 }
 
 static PyObject *py_fstype(PyObject *self, PyObject *args)
@@ -1295,7 +1754,8 @@ static PyMethodDef methods[] = {
      "ready_harvest() -> [(inode, opens, last_ns, lookups)]: the thread's answers since the "
      "last call"},
     {"dir_put", py_dir_put, METH_VARARGS,
-     "dir_put(inode, fd, below=False) -> bool: the thread answers LOOKUPs of names missing "
+     "dir_put(inode, fd, below=False, tenant=0) -> bool: (with tenant: its creates may be "
+     "answered too, section 3) the thread answers LOOKUPs of names missing "
      "from directory inode (fd: its backing directory, the module's to close from then on); "
      "with below, not of names a lower tier may hold (blocks', fan-out directories')"},
     {"dir_drop", py_dir_drop, METH_VARARGS,
@@ -1309,6 +1769,25 @@ static PyMethodDef methods[] = {
     {"miss_put", py_miss_put, METH_VARARGS,
      "miss_put(parent, name, seconds, lookups): the daemon's recent misses of name, counted "
      "by it: the thread's count goes on from them"},
+    {"made_start", py_made_start, METH_VARARGS,
+     "made_start(journal_fd, seq): the thread may answer creates (see section 3 of the C "
+     "source), journaled on journal_fd (the module's from then on) after record seq"},
+    {"lease", py_lease, METH_VARARGS, "lease(first, end): inode numbers for new files"},
+    {"grant_add", py_grant_add, METH_VARARGS,
+     "grant_add(tenant, delta) -> bytes added: the tenant's creates may be answered, and "
+     "its flushes grow files by what the grant has left"},
+    {"grant_off", py_grant_off, METH_VARARGS,
+     "grant_off(tenant) -> bytes taken back: none of the tenant's creates or flushes here"},
+    {"cap_add", py_cap_add, METH_VARARGS,
+     "cap_add(delta) -> bytes added: flushes here take their growth from this grant too"},
+    {"made_harvest", py_made_harvest, METH_NOARGS,
+     "made_harvest() -> (records, last seq, inodes left in the lease): the creates and "
+     "flushes answered since the last call"},
+    {"made_trim", py_made_trim, METH_VARARGS,
+     "made_trim(seq) -> bool: empty the journal if nothing was recorded after seq"},
+    {"made_drop", py_made_drop, METH_VARARGS,
+     "made_drop(fh, unsolo_only=False) -> bool: fh's flushes are the daemon's from now on; "
+     "without unsolo_only, fh is released"},
     {"state", py_state, METH_NOARGS, "state(): what the hooks and the thread have seen and done"},
     {"fstype", py_fstype, METH_VARARGS, "fstype(path): statfs(2)'s f_type"},
     {NULL, NULL, 0, NULL},

@@ -14,12 +14,14 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import stat
 
 import pyfuse3
 from pyfuse3 import FUSEError
 
 from .index import ORPHAN_PARENT, Node
-from .openfiles import Handle, OpenFiles
+from .made import Made
+from .openfiles import Handle, OpenFile, OpenFiles
 from .passthrough import PASS_HEADROOM
 from .reclaim import Reclaim
 from .tree import Tree
@@ -28,11 +30,18 @@ log = logging.getLogger(__name__)
 
 
 class Door:
-    def __init__(self, tree: Tree, files: OpenFiles, reclaim: Reclaim) -> None:
+    def __init__(self, tree: Tree, files: OpenFiles, reclaim: Reclaim, *,
+                 creates: bool = True) -> None:
         self.tree = tree
         self.files = files
         self.reclaim = reclaim
         tree.collect_opens = self.collect
+        # The creates and flushes the request thread answers (kvfs.daemon.made).
+        self.made = Made(tree, files, wanted=creates)
+        self.made.passed = lambda node, h: self.passed(node, h, tree.open_files[node.inode])
+        self.made.grew = reclaim.wake_if_over
+        self.made.room = self.room_to_pass
+        reclaim.before_room = self.made.take_back
 
     def may_pass(self, inode: int) -> bool:
         """Whether an open of `inode` may be a passthrough open: the mount has it, and no
@@ -72,16 +81,7 @@ class Door:
         if self.may_pass(node.inode) and (not h.writable or self.room_to_pass(node.tenant)):
             backing_id = pt.register(node.inode, h.fd) or 0
         if backing_id:
-            h.passthrough = True
-            of.passthrough += 1
-            if h.writable:
-                of.pt_fds.append(h.fd)
-                pt.writers[node.tenant] += 1
-                self.files.watch(of, node.inode, h)  # the daemon will not see its writes
-            else:
-                h.nread = node.size
-                self.tree.stats.read(h.key, node.size)
-                pt.read_bytes += node.size
+            self.passed(node, h, of)
             return pyfuse3.FileInfo(fh=fh, direct_io=False, keep_cache=False), backing_id
         pt.revoke(node.inode)
         direct, keep = self.tree.file_cache(node, flags, h.writable, busy=busy)
@@ -91,6 +91,20 @@ class Door:
             h.cached = True
             of.cached += 1
         return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=keep), 0
+
+    def passed(self, node: Node, h: Handle, of: OpenFile) -> None:
+        """Handle `h` of `node` is a passthrough open (its backing id registered)."""
+        pt = self.tree.passthrough
+        h.passthrough = True
+        of.passthrough += 1
+        if h.writable:
+            of.pt_fds.append(h.fd)
+            pt.writers[node.tenant] += 1
+            self.files.watch(of, node.inode, h)  # the daemon will not see its writes
+        else:
+            h.nread = node.size
+            self.tree.stats.read(h.key, node.size)
+            pt.read_bytes += node.size
 
     async def settle(self, h: Handle) -> None:
         """A passthrough writer's change in size since it was last settled: room made for
@@ -165,8 +179,10 @@ class Door:
     def collect(self) -> None:
         """The opens the request thread answered since the last call, counted as the daemon
         counts its own: reads, bytes and mount hits per tenant and namespace, access times,
-        uses for eviction."""
+        uses for eviction; and the files it created and flushed (kvfs.daemon.made)."""
         tree = self.tree
+        self.made.harvest()
+        self.made.refresh()
         for inode, key, size, opens, last_ns in tree.passthrough.harvest():
             tree.stats.read(key, opens * size, opens)
             tree.passthrough.read_bytes += opens * size
@@ -195,9 +211,12 @@ class Door:
         except (OSError, FUSEError):
             return False
         now = tree.index.find(parent.inode)
+        # Its creates too, with the tenant's grant (kvfs.daemon.made), unless it is
+        # set-group-ID (the thread gives a new file its creator's group).
+        tenant = 0 if parent.mode & stat.S_ISGID else self.made.tenant(parent.tenant)
         if (now is None or now.parent != parent.parent or now.name != parent.name
                 or not pt.hand_dir(parent.inode, tree.key(parent), fd,
-                                   below=tree.tiering is not None)):
+                                   below=tree.tiering is not None, tenant=tenant)):
             os.close(fd)  # gone or moved meanwhile, or handed over by another lookup
             return False
         return True

@@ -71,6 +71,7 @@ class Operations(pyfuse3.Operations):
         writeback_cache: bool = DEFAULTS["writeback_cache"],
         keep_cache: bool = DEFAULTS["keep_cache"],
         passthrough: bool = DEFAULTS["passthrough"],
+        thread_creates: bool = DEFAULTS["thread_creates"],
     ) -> None:
         super().__init__()
         self.enable_writeback_cache = writeback_cache  # read by pyfuse3 when it mounts
@@ -87,7 +88,9 @@ class Operations(pyfuse3.Operations):
         self.adoption.after_growth = self.reclaim.wake_if_over
         self.promotion = Promotion(tree, self.adoption, self.reclaim)
         self.governance = tree.governance = Governance(tree, self.reclaim, keyring)
-        self.door = Door(tree, self.files, self.reclaim)
+        self.door = Door(tree, self.files, self.reclaim, creates=thread_creates)
+        self.made = self.door.made
+        self.made.creating = self.promotion.creating
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
         self.xattrs = Xattrs(tree, self.reclaim, commands, self.governance)
         self.handout = Handout(store.root, commands.grants.take_fds, commands.grants.close)
@@ -201,7 +204,10 @@ class Operations(pyfuse3.Operations):
     ) -> pyfuse3.EntryAttributes:
         if inode < FIRST_REAL_INODE and inode != ROOT_INODE:
             raise FUSEError(errno.EPERM)
+        self.made.own(inode)  # its size and times are the daemon's to change now
         node = self.index.get(inode)
+        if node.is_dir and (fields.update_mode or fields.update_gid):
+            self.tree.passthrough.take_dir(inode)  # the request thread's creates in it
         path = self.tree.path(node)
         changes: dict[str, Any] = {}
         kwargs: dict[str, Any] = {}
@@ -400,6 +406,7 @@ class Operations(pyfuse3.Operations):
             fh = self.files.new_fh(Handle(inode, content=content))
             self.tree.passthrough.arm(fh, 0, noflush=True)  # read-only: nothing to flush
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        self.made.own(inode)  # another open: its creator's flushes are the daemon's
         node = self.index.get(inode)
         if not node.is_reg:
             raise FUSEError(errno.EISDIR if node.is_dir else errno.EINVAL)
@@ -501,6 +508,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def flush(self, fh: int) -> None:
         h = self.handles[fh]
+        self.made.own(h.inode)  # (the request thread left this flush to the daemon)
         if h.writable:
             if h.passthrough:
                 self.files.observe(h.inode, h)
@@ -510,6 +518,7 @@ class Operations(pyfuse3.Operations):
     @handler
     async def fsync(self, fh: int, datasync: bool) -> None:
         h = self.handles[fh]
+        self.made.own(h.inode)
         if h.passthrough and h.writable:
             self.files.observe(h.inode, h)
             await self.door.settle(h)
@@ -523,6 +532,7 @@ class Operations(pyfuse3.Operations):
         h = self.handles.pop(fh)
         if h.content is not None:
             return
+        self.made.released(fh, h.inode)  # (a handle the request thread gave: its fd is ours)
         if h.passthrough:
             await self.door.release(h)
         if self.tree.audit is not None:

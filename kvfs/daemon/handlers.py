@@ -1,5 +1,5 @@
 """The wrapper every pyfuse3 handler of kvfs.daemon.fs has: failures mapped to an errno, requests
-counted.
+counted, and first what the request thread created harvested (kvfs.daemon.made).
 
 No exception escapes a handler (pyfuse3 would end the session for every client): `handler`
 turns anything but a `FUSEError(errno)` into one (EIO, logged). It also counts the requests
@@ -52,6 +52,9 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     async def wrapper(*args: Any, **kwargs: Any) -> T:
         REQUESTS[name] += 1
         try:
+            # What the request thread created and flushed is indexed before anything else
+            # (kvfs.daemon.made): a request about a new file comes after its record.
+            args[0].made.harvest()
             return await fn(*args, **kwargs)
         except FUSEError:
             raise

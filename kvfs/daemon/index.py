@@ -414,6 +414,13 @@ class Index:
         return Node(new, parent, name, mode, uid, gid, size, atime, mtime, now, target, tenant,
                     ns, writing, block_hash, parent_hash)
 
+    def lease_inodes(self, n: int) -> int:
+        """Take `n` inode numbers off the sequence (for the request thread's creates,
+        kvfs.daemon.made): the first of them; inside a transaction."""
+        row = self.db.execute("UPDATE sqlite_sequence SET seq = seq + ? WHERE name = 'nodes' "
+                              "RETURNING seq", (n,)).fetchone()
+        return int(row[0]) - n + 1
+
     def insert_many(self, rows: list[tuple]) -> None:
         """Insert files in bulk (fsck): rows of (parent, name, mode, uid, gid, size, atime_ns,
         mtime_ns, target, tenant, ns, block_hash, parent_hash, pinned); ctime is now."""

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from . import keys, scanner, watchdog
+from . import keys, made, scanner, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
@@ -71,6 +71,7 @@ class MountOptions:
     writeback_cache: bool = DEFAULTS["writeback_cache"]
     keep_cache: bool = DEFAULTS["keep_cache"]
     passthrough: bool = DEFAULTS["passthrough"]
+    thread_creates: bool = DEFAULTS["thread_creates"]
     encrypt: bool = DEFAULTS["encrypt"]
     hot_encrypt: bool = DEFAULTS["hot_encrypt"]
     key_file: str = DEFAULTS["key_file"]
@@ -138,6 +139,9 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
     store, lock_fd = open_state_dir(opts.backing)
     store.clear_staging()  # fetches cut short by the last stop
     index = open_index(store)
+    # What the request thread created and flushed since the last harvest, if the daemon
+    # was killed in between: indexed as its harvest would have (kvfs.daemon.made).
+    replayed = made.replay(index, store)
     if not index.has_entries():
         # A tree this index never saw (a first mount, an index deleted, files copied into a
         # backing directory whose index is empty): serve it at once, indexing a directory
@@ -146,7 +150,7 @@ def prepare(opts: MountOptions) -> tuple[Index, BackingStore, int]:
         report = scanner.adopt(index, store)
         log.info("adopting %s: %d tenants indexed, their directories indexed on demand and "
                  "in the background", opts.backing, report.added.count)
-    elif index.get_meta("clean") != "1" or _tenants_gone(index, store):
+    elif index.get_meta("clean") != "1" or replayed or _tenants_gone(index, store):
         log.info("index of %s was not closed cleanly, or a tenant's directory is gone from "
                  "it: reconciling with the backing tree", opts.backing)
         report = scanner.reconcile(index, store, lazy=True,
@@ -309,7 +313,8 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
     ops = Operations(index, store, info, owner_uid=owner, io_threads=opts.io_threads,
                      tiering=tiering, keyring=keyring, audit=audit,
                      writeback_cache=opts.writeback_cache,
-                     keep_cache=opts.keep_cache, passthrough=opts.passthrough)
+                     keep_cache=opts.keep_cache, passthrough=opts.passthrough,
+                     thread_creates=opts.thread_creates)
     ops.load_limits()
     metrics = None
     if opts.metrics:

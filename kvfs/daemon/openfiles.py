@@ -140,14 +140,17 @@ class OpenFiles:
         self.handles: dict[int, Handle] = {}
         self._next_fh = 1
 
-    def new_fh(self, h: Handle) -> int:
-        fh = self._next_fh
-        self._next_fh += 1
+    def new_fh(self, h: Handle, fh: int | None = None) -> int:
+        """Register `h` as a new handle: numbered here, or `fh` (one the request thread gave
+        out, kvfs.daemon.made)."""
+        if fh is None:
+            fh = self._next_fh
+            self._next_fh += 1
         self.handles[fh] = h
         return fh
 
     def register(self, node: Node, fd: int, writable: bool, ctx: Any = None, *,
-                 created: bool = False, ahead: int = 0) -> int:
+                 created: bool = False, ahead: int = 0, fh: int | None = None) -> int:
         """A new handle of `node`; returns its number. A file `created` for writing is
         indexed as being written from the start, by this handle; `ahead`: how far its
         backing file was asked for already (:func:`open_ahead`)."""
@@ -167,7 +170,7 @@ class OpenFiles:
         if created and writable:
             of.written = of.changed = h.written = True
             of.pending += 1
-        return self.new_fh(h)
+        return self.new_fh(h, fh)
 
     def writing(self, of: OpenFile, inode: int, h: Handle | None) -> None:
         """A change (write, truncate) to a file open for writing, through handle `h` (None:

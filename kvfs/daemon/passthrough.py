@@ -311,11 +311,13 @@ class Passthrough:
             else:
                 self.release(i)
 
-    def hand_dir(self, inode: int, key: Any, fd: int, *, below: bool = False) -> bool:
+    def hand_dir(self, inode: int, key: Any, fd: int, *, below: bool = False,
+                 tenant: int = 0) -> bool:
         """Let the request thread answer LOOKUPs of names missing from directory `inode`
         (ENOENT where its backing directory, `fd`, has no such entry; a miss counted for
         `key`), with `below` (lower tiers) but for names of blocks and fan-out directories,
-        until `take_dir`. True: the module owns `fd` now; False: the caller closes it (not
+        until `take_dir`; with `tenant`, its creates too, while that tenant has a grant
+        (kvfs.daemon.made). True: the module owns `fd` now; False: the caller closes it (not
         routed, or handed over already)."""
         if not self.routed:
             return False
@@ -326,7 +328,7 @@ class Passthrough:
             return False
         while len(self.dirs) >= self.max_dirs:
             self.take_dir(next(iter(self.dirs)))
-        if not _passthrough.dir_put(inode, fd, below):
+        if not _passthrough.dir_put(inode, fd, below, tenant):
             return False
         self.dirs[inode] = key
         return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import logging
 import time
+from collections.abc import Callable
 
 import trio
 from pyfuse3 import FUSEError
@@ -35,6 +36,9 @@ class Reclaim:
         self.residency = tree.residency
         self.adoption = adoption
         self._wanted: trio.Event | None = None
+        #: Before room is planned: the request thread's unspent grants taken back
+        #: (kvfs.daemon.made `take_back`, set by the door).
+        self.before_room: Callable[[], None] = lambda: None
 
     # -- background tasks -----------------------------------------------------------------
 
@@ -177,6 +181,7 @@ class Reclaim:
         """`make_room` by the tenant's inode (a write knows it without reading the index)."""
         if growth <= 0:
             return
+        self.before_room()  # the request thread's grants, unspent, come back first
         cap, limits = self.tree.info.capacity, self.residency.limits.get(tenant)
         whole = growth if size is None else size
         if cap is not None and whole > cap:

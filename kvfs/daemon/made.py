@@ -1,0 +1,357 @@
+"""The files the request thread creates, and their flushes: what the daemon keeps of them.
+
+With the bytes passing through, a new file's cost was its CREATE and its FLUSH, each a round
+trip through pyfuse3's loop. In a model directory handed over to the request thread
+(kvfs.daemon.passthrough `hand_dir`) and while its tenant holds a *grant*, the thread answers
+both in C (kvfs.daemon._passthrough, section 3): it makes the backing file O_EXCL in the
+directory's fd, owned by the caller, registers it as a backing file and numbers the inode
+from a range the daemon leased it from the index's sequence (`lease`); at the FLUSH it takes
+the file's growth from the grant, bytes the daemon reserved for that tenant against its
+quota and the mount's capacity (`Residency.granted`, `cap_granted`): a growth the grant
+cannot cover is the daemon's to settle, evicting or refusing as before.
+
+Before it replies, the thread appends a record to the *journal* (`.kvfs/made.journal`) and
+queues it. The daemon `harvest`s the queue at the start of every request it serves (any
+request about the new file comes after the reply, so after the record), indexes the files
+(being written, as its own create does), registers their handles and counts their growth,
+in one transaction that also stores the last record's number (`made_seq`); then it empties
+the journal. A daemon killed in between leaves records past `made_seq`: the next mount
+`replay`s them before it reconciles, so a file the thread created and nobody flushed is
+removed as a half-written one, and a flushed one is kept, as for the daemon's own.
+
+State (event loop only): `granted` and `cap_granted` live in the residency (they count as
+used where room is planned); `by_inode` (inode -> the handle of its creator, while open).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import stat
+import struct
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from .index import ORPHAN_PARENT, ROOT_INODE, Index
+from .passthrough import PASS_HEADROOM, _passthrough
+from .tree import Tree
+
+if TYPE_CHECKING:
+    from .openfiles import OpenFiles
+    from .store import BackingStore
+
+log = logging.getLogger(__name__)
+
+#: struct record of the C module: magic, kind, seq, inode, parent, backing inode, size,
+#: time_ns, growth, mode, uid, gid, name length, name.
+RECORD = struct.Struct("=IIQQQQQqqIIII256s")
+MAGIC = 0x6B76666A
+EV_CREATE, EV_FLUSH = 1, 2
+#: The handles the thread gives its files (kvfs.daemon._passthrough C_MADE).
+C_MADE = 1 << 62
+JOURNAL = "made.journal"
+META_SEQ = "made_seq"
+#: Inode numbers leased to the thread at once (a new lease when a quarter is left).
+LEASE = 4096
+#: Bytes granted to a tenant with a quota at once, and to the thread of the capacity.
+GRANT = 256 << 20
+#: The grant of a tenant without a quota (its growth is limited by the capacity alone).
+UNLIMITED = 1 << 60
+
+
+def journal_path(store: BackingStore) -> str:
+    return os.path.join(os.fsdecode(store.state_dir), JOURNAL)
+
+
+def read_journal(path: str) -> list[tuple]:
+    """The whole records of a journal, in order (a torn one at its end is left out)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return []
+    out = []
+    for off in range(0, len(data) - RECORD.size + 1, RECORD.size):
+        rec = RECORD.unpack_from(data, off)
+        if rec[0] != MAGIC:
+            break
+        out.append(rec)
+    return out
+
+
+def _path(index: Index, inode: int) -> bytes | None:
+    """A directory's path in the backing tree, from the index (None: not in the namespace)."""
+    parts = []
+    while inode != ROOT_INODE:
+        node = index.find(inode)
+        if node is None or node.parent == ORPHAN_PARENT:
+            return None
+        parts.append(node.name)
+        inode = node.parent
+    return b"/".join(reversed(parts))
+
+
+def replay(index: Index, store: BackingStore) -> int:
+    """At mount, before the index is reconciled: what a journal holds past the last harvest
+    (a daemon killed between the thread's reply and its harvest), applied as the harvest
+    would have: a file created is indexed as being written (the reconcile then removes it,
+    half-written, unless a flush record follows, which marks it complete). Only a backing
+    file that is still the one created (its inode number) is taken. Returns the records
+    applied."""
+    path = journal_path(store)
+    done = int(index.get_meta(META_SEQ) or 0)
+    recs = [r for r in read_journal(path) if r[2] > done]
+    applied = 0
+    if recs:
+        with index.transaction():
+            for (_, kind, seq, ino, parent, bino, size, t, _, mode, uid, gid, nlen,
+                 raw) in recs:
+                name = raw[:nlen]
+                if kind == EV_CREATE:
+                    pnode = index.find(parent)
+                    if (pnode is None or not pnode.is_dir or index.find(ino) is not None
+                            or index.lookup(parent, name) is not None):
+                        continue
+                    prel = _path(index, parent)
+                    try:
+                        st = store.lstat(prel + b"/" + name) if prel else None
+                    except OSError:
+                        st = None
+                    if st is None or st.st_ino != bino or not stat.S_ISREG(st.st_mode):
+                        continue
+                    tenant, ns = Tree.child_place(pnode, stat.S_IFREG)
+                    index.insert(parent=parent, name=name, mode=mode, uid=uid, gid=gid,
+                                 tenant=tenant, ns=ns, writing=1, inode=ino, atime_ns=t,
+                                 mtime_ns=t)
+                    applied += 1
+                elif kind == EV_FLUSH:
+                    node = index.find(ino)
+                    if node is not None and node.writing == 1:
+                        index.update(ino, size=size, mtime_ns=t, ctime_ns=t, writing=0)
+                        applied += 1
+            index.set_meta(META_SEQ, str(recs[-1][2]))
+        log.info("journal of the request thread's creates: %d of %d records applied",
+                 applied, len(recs))
+    try:
+        os.truncate(path, 0)
+    except FileNotFoundError:
+        pass
+    return len(recs)
+
+
+class Made:
+    """The daemon's side of the request thread's creates and flushes (module docstring)."""
+
+    def __init__(self, tree: Tree, files: OpenFiles, *, wanted: bool = True) -> None:
+        self.tree = tree
+        self.files = files
+        self.wanted = wanted
+        self.started = False
+        self.tenants: set[int] = set()  # tenants whose directories the thread creates in
+        self.on: set[int] = set()  # those with a grant on
+        self.by_inode: dict[int, int] = {}
+        self.leased = 0
+        self.creates = self.flushes = 0  # harvested
+        # Set by the owner (kvfs.daemon.door): a name is created (the miss its lookup
+        # counted taken back), a passthrough writer is registered, growth to wake eviction
+        # for.
+        self.creating: Any = lambda parent, name: None
+        self.passed: Any = lambda node, h: None
+        self.grew: Any = lambda growth: None
+        # Whether a tenant may have one more passthrough writer (kvfs.daemon.door
+        # `room_to_pass`): near its quota or the capacity, its creates are the daemon's.
+        self.room: Any = lambda tenant: True
+
+    # -- starting ---------------------------------------------------------------------------
+
+    def tenant(self, tenant: int) -> int:
+        """The tenant a directory handed over now is handed with (0: its creates stay the
+        daemon's): started here, once passthrough is known to be on."""
+        pt = self.tree.passthrough
+        if not (self.wanted and pt.on and pt.routed and tenant):
+            return 0
+        if not self.started:
+            self._start()
+        if not self.started:
+            return 0
+        self.tenants.add(tenant)
+        self.refresh()
+        return tenant
+
+    def _start(self) -> None:
+        index = self.tree.index
+        try:
+            fd = os.open(journal_path(self.tree.store),
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            log.warning("the request thread answers no creates: its journal cannot be opened "
+                        "(%s)", exc)
+            self.wanted = False
+            return
+        _passthrough.made_start(fd, int(index.get_meta(META_SEQ) or 0))
+        if self.tree.info.capacity is not None:
+            _passthrough.cap_add(0)  # flushes here are limited by the capacity's grant
+        self.started = True
+        self._lease()
+
+    def _lease(self) -> None:
+        index = self.tree.index
+        if index.db.in_transaction:
+            return
+        with index.transaction():
+            first = index.lease_inodes(LEASE)
+        _passthrough.lease(first, first + LEASE)
+        self.leased = LEASE
+
+    # -- grants -------------------------------------------------------------------------------
+
+    def refresh(self) -> None:
+        """Top up each tenant's grant (a quarter left: up to GRANT, within its quota's free
+        bytes; a tenant without a quota has no limit of its own) and the capacity's; turn
+        creates off for a tenant near its quota or the capacity, where a writer takes the
+        daemon's path (kvfs.daemon.door `room_to_pass`)."""
+        if not self.started:
+            return
+        if self.leased < LEASE // 4:
+            self._lease()
+        tree, res = self.tree, self.tree.residency
+        granted = res.granted
+        for t in self.tenants:
+            if not self.room(t):
+                if t in self.on:
+                    granted[t] -= _passthrough.grant_off(t)
+                    self.on.discard(t)
+                continue
+            limits = res.limits.get(t)
+            if limits is not None and limits.quota is not None:
+                if granted[t] >= UNLIMITED // 2:
+                    granted[t] += _passthrough.grant_add(t, -UNLIMITED)
+                # Half of what is free beyond the passthrough writers' headroom: the rest
+                # stays for the daemon's own opens and settles.
+                free = (limits.quota - tree.stats.tenant_bytes(t) - granted[t]
+                        - PASS_HEADROOM * (tree.passthrough.writers[t] + 1)) // 2
+                add = min(GRANT - granted[t], free) if granted[t] < GRANT // 4 else 0
+            else:
+                add = UNLIMITED - granted[t] if granted[t] < UNLIMITED // 2 else 0
+            if add > 0 or t not in self.on:
+                granted[t] += _passthrough.grant_add(t, max(0, add))
+                self.on.add(t)
+        cap = tree.info.capacity
+        if cap is not None and res.cap_granted < GRANT // 4:
+            free = (cap - tree.stats.used_bytes - res.cap_granted
+                    - PASS_HEADROOM * (tree.passthrough.writers.total() + 1)) // 2
+            add = min(GRANT - res.cap_granted, free)
+            if add > 0:
+                res.cap_granted += _passthrough.cap_add(add)
+
+    def take_back(self) -> None:
+        """What the grants have left comes back (before the daemon plans room itself, so
+        that bytes reserved but not spent stand in nobody's way); `refresh` grants again."""
+        if not self.started:
+            return
+        res = self.tree.residency
+        for t, g in res.granted.items():
+            limits = res.limits.get(t)
+            if g > 0 and limits is not None and limits.quota is not None:
+                res.granted[t] += _passthrough.grant_add(t, -g)
+        if res.cap_granted > 0:
+            res.cap_granted += _passthrough.cap_add(-res.cap_granted)
+
+    # -- the harvest --------------------------------------------------------------------------
+
+    def harvest(self) -> None:
+        """Index what the thread created and count what it flushed since the last harvest:
+        at the start of every request the daemon serves, before it looks at anything."""
+        if not self.started:
+            return
+        index = self.tree.index
+        if index.db.in_transaction:
+            return  # (never at a request's start: the next one takes them)
+        got, seq, self.leased = _passthrough.made_harvest()
+        if not got:
+            return
+        growth = 0
+        with index.transaction():
+            for ev in got:
+                try:
+                    if ev[0] == EV_CREATE:
+                        self._created(*ev[2:14])
+                    else:
+                        growth += self._flushed(ev[2], ev[13], ev[14], ev[15])
+                except Exception:  # one record must not cost the others theirs
+                    log.exception("the request thread's %s of inode %d could not be taken",
+                                  "create" if ev[0] == EV_CREATE else "flush", ev[3])
+            index.set_meta(META_SEQ, str(seq))
+        _passthrough.made_trim(seq)
+        if growth:
+            self.grew(growth)
+        self.refresh()
+
+    def _created(self, fh: int, ino: int, parent: int, name: bytes, mode: int, uid: int,
+                 gid: int, pid: int, fd: int, backing_id: int, _bino: int, _size: int) -> None:
+        tree = self.tree
+        pnode = tree.index.get(parent)
+        tenant, ns = tree.child_place(pnode, stat.S_IFREG)
+        node = tree.index.insert(parent=parent, name=name, mode=mode, uid=uid, gid=gid,
+                                 tenant=tenant, ns=ns, writing=1, inode=ino)
+        tree.dir_changed(parent)
+        self.creating(pnode, name)
+        tree.stats.account(tree.key(node), 1, 0)
+        tree.residency.add_file(node)
+        self.files.register(node, fd, True, SimpleNamespace(uid=uid, pid=pid), created=True,
+                            fh=fh)
+        tree.ref(ino)
+        pt = tree.passthrough
+        pt.ids[ino] = [backing_id, 1]
+        pt.registered += 1
+        self.passed(node, self.files.handles[fh])
+        self.by_inode[ino] = fh
+        self.creates += 1
+
+    def _flushed(self, fh: int, size: int, mtime_ns: int, growth: int) -> int:
+        """A flush the thread answered, settled as the daemon settles one (kvfs.daemon.door
+        `settle`); the growth taken from the grants counted as used now."""
+        h = self.files.handles.get(fh)
+        if h is None:
+            return 0
+        tree, res = self.tree, self.tree.residency
+        if growth > 0:
+            res.granted[h.key[0]] -= growth
+            if tree.info.capacity is not None:
+                res.cap_granted -= growth
+        of = tree.open_files[h.inode]
+        delta = size - of.size
+        if delta:
+            tree.stats.account(h.key, 0, delta)
+            of.size = size
+            if delta > 0:
+                tree.stats.write(h.key, delta)
+                tree.passthrough.write_bytes += delta
+                h.nwritten += delta
+        of.mtime_ns = mtime_ns
+        self.files.flushed(h)
+        self.flushes += 1
+        return max(0, delta)
+
+    # -- the daemon takes over -----------------------------------------------------------------
+
+    def own(self, inode: int) -> None:
+        """The daemon is about to change `inode` or open it again: the flushes of its
+        creator's handle are the daemon's from now on (what the thread settled before is
+        harvested first)."""
+        fh = self.by_inode.get(inode)
+        if fh is not None:
+            _passthrough.made_drop(fh, True)
+            self.harvest()
+
+    def released(self, fh: int, inode: int) -> None:
+        """The creator's handle is released: out of the thread's table before its fd is
+        closed."""
+        if fh & C_MADE and self.started:
+            _passthrough.made_drop(fh)
+            if self.by_inode.get(inode) == fh:
+                del self.by_inode[inode]
+
+    def snapshot(self) -> dict[str, object]:
+        return {"creates": self.creates, "flushes": self.flushes, "on": self.started,
+                "tenants_granted": len(self.on)}
