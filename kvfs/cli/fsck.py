@@ -10,7 +10,7 @@ from .common import CliError, setup_logging
 
 
 def cmd_fsck(args: argparse.Namespace) -> int:
-    from ..daemon import scanner  # noqa: PLC0415
+    from ..daemon import made, scanner  # noqa: PLC0415
     from ..daemon.mount import MountError, open_index, open_state_dir  # noqa: PLC0415
 
     setup_logging(None, args.debug)
@@ -25,6 +25,7 @@ def cmd_fsck(args: argparse.Namespace) -> int:
     def progress(n: int) -> None:
         print(f"\rfsck: {n} entries", end="", file=sys.stderr, flush=True)
 
+    made.replay(index, store)  # what a killed daemon's request thread created, first
     report = scanner.reconcile(index, store, verify=args.verify, progress=progress)
     print("", file=sys.stderr)
     index.set_meta("clean", "1")

@@ -45,8 +45,11 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
         if pt.get("request_thread"):
             answered = sum(v for k, v in (stats.get("requests") or {}).items()
                            if k.startswith("thread_"))
+            reqs = stats.get("requests") or {}
             lines.append(f"request thread: {pt['delegated']} files it opens itself, "
                          f"{pt.get('directories', 0)} directories whose misses it answers, "
+                         f"{reqs.get('thread_create', 0)} files it created "
+                         f"({'on' if pt.get('thread_creates') else 'off'}), "
                          f"{answered} requests answered, {pt['forwarded']} passed on")
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:

@@ -191,7 +191,7 @@ class Made:
         _passthrough.made_start(fd, int(index.get_meta(META_SEQ) or 0))
         if self.tree.info.capacity is not None:
             _passthrough.cap_add(0)  # flushes here are limited by the capacity's grant
-        self.started = True
+        self.started = self.tree.passthrough.creates_on = True
         self._lease()
 
     def _lease(self) -> None:

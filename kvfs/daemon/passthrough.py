@@ -148,6 +148,7 @@ class Passthrough:
     # first; and the misses it counted in those taken back since the last harvest.
     dirs: OrderedDict[int, Any] = field(default_factory=OrderedDict)
     max_dirs: int = MAX_DIRS  # (fewer where the open-file limit is low: `hook`)
+    creates_on: bool = False  # the thread creates files (kvfs.daemon.made, once started)
     unharvested_misses: list[tuple[Any, int]] = field(default_factory=list)
 
     @property
@@ -228,6 +229,7 @@ class Passthrough:
             self.unharvested.clear()
             self.dirs.clear()  # (their fds closed by unhook)
             self.unharvested_misses.clear()
+            self.creates_on = False
         if self.state != "off":
             self.state, self.reason = "off", "unmounted"
 
@@ -433,6 +435,7 @@ class Passthrough:
                 "replies_patched": st.get("opens_patched", 0),
                 "replies_missed": st.get("opens_missed", 0),
                 "request_thread": bool(st.get("routed")), "delegated": len(self.delegated),
+                "thread_creates": self.creates_on,
                 "directories": len(self.dirs), "forwarded": st.get("forwarded", 0)}
 
     def thread_requests(self) -> dict[str, int]:

@@ -175,6 +175,8 @@ class Xattrs:
         text = None if parsed is None else Limits(**{name: parsed}).render(name)
         await self.tree.io(self.tree.store.write_limit, node.name, name, text)
         setattr(limits, name, parsed)
+        if name == "quota":
+            self.reclaim.before_room()  # the request thread's grant, granted without it, back
         if name == "placement":
             self.governance.set_placement(node.name.decode(errors="surrogateescape"), parsed)
         log.info("tenant %s: %s = %s", node.name.decode(errors="replace"), name, text or "none")
