@@ -24,6 +24,7 @@ OTHER = {
     "hot_codec": "planes",
     "metrics": "127.0.0.1:9464", "audit": "/var/log/a b.jsonl", "log": "/var/log/d.log",
     "io_threads": 5, "writeback_cache": True, "passthrough": False, "keep_cache": False,
+    "thread_creates": False,
     "debug": True, "encrypt": False, "hot_encrypt": True, "key_file": "/srv/kek",
     "key_command": "vault-kek --x", "key_ttl": 5.0,
 }
@@ -158,7 +159,7 @@ def test_fstab_options_are_the_mount_options():
 
     assert "io_threads" in VALUED and "config" in VALUED and "backing" not in VALUED
     assert FLAGS == {"debug", "no_write_through", "writeback_cache", "no_passthrough",
-                     "no_keep_cache", "no_encrypt", "hot_encrypt"}
+                     "no_thread_creates", "no_keep_cache", "no_encrypt", "hot_encrypt"}
     cached = _parse_mount(translate("/b", "/m", "writeback_cache,no_keep_cache")[1:])
     assert cached["writeback_cache"] is True and cached["keep_cache"] is False
     argv = translate("/b", "/m", "policy-entries=7,tier_cooldown=0,no_write_through,io_threads=5")
