@@ -743,10 +743,15 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
     }
     made[slot] = (struct made){ev.fh, ino, tenant, 0, fd, 1, 1};
     made_creates++;
-    /* Its directory's times changed: the daemon puts its attributes again at the harvest. */
+    /* Its directory's times changed, to the create's (the daemon's index takes the same at
+     * the harvest): the attributes the thread answers for it follow. */
     struct entry *pe = find(dino, NULL);
-    if (pe && pe->state == LIVE && !pe->backing_id)
-        forget_entry(pe);
+    if (pe && pe->state == LIVE && !pe->backing_id) {
+        for (int i = 1; i < 3; i++) {  /* mtime, ctime */
+            put64(pe->attr + 24 + 8 * i, (uint64_t)(t / 1000000000));
+            put32(pe->attr + 48 + 4 * i, (uint32_t)(t % 1000000000));
+        }
+    }
     /* fuse_entry_out (nodeid, generation, entry_valid, attr_valid, their nsec, fuse_attr),
      * then fuse_open_out: as the daemon answers a create (kvfs.daemon.tree attrs). */
     unsigned char out[ENTRY_OUT + OPEN_OUT];

@@ -540,9 +540,15 @@ class Operations(pyfuse3.Operations):
             if node is not None and (h.nread or h.nwritten or h.writable):
                 self.tree.audit_op(h.uid, h.pid, node, "write" if h.writable else "read",
                                    nbytes=h.nwritten if h.writable else h.nread)
-        # Off the event loop (the last close of an unlinked file frees its blocks, and ext4
-        # starts write-back at the close of a file truncated and rewritten), not waited for.
-        self.tree.close_later(h.fd)
+        if h.passthrough:
+            # Never the file's last reference: its backing id holds the file until `let_go`
+            # below, so the close itself is cheap, and a thread hand-off would cost more.
+            os.close(h.fd)
+        else:
+            # Off the event loop (the last close of an unlinked file frees its blocks, and
+            # ext4 starts write-back at the close of a file truncated and rewritten), not
+            # waited for.
+            self.tree.close_later(h.fd)
         of, changed = self.files.closed(h)
         if h.writable and of.writers == 0 and changed:
             await self.adoption.complete(h.inode)

@@ -57,6 +57,8 @@ LEASE = 4096
 GRANT = 256 << 20
 #: The grant of a tenant without a quota (its growth is limited by the capacity alone).
 UNLIMITED = 1 << 60
+#: Tenants with a grant at most (the C module's table; beyond, creates are the daemon's).
+MAX_TENANTS = 256
 
 
 def journal_path(store: BackingStore) -> str:
@@ -172,7 +174,7 @@ class Made:
             return 0
         if not self.started:
             self._start()
-        if not self.started:
+        if not self.started or (tenant not in self.tenants and len(self.tenants) >= MAX_TENANTS):
             return 0
         self.tenants.add(tenant)
         self.refresh()
@@ -275,7 +277,7 @@ class Made:
             for ev in got:
                 try:
                     if ev[0] == EV_CREATE:
-                        self._created(*ev[2:14])
+                        self._created(*ev[2:12], ev[14])
                     else:
                         growth += self._flushed(ev[2], ev[13], ev[14], ev[15])
                 except Exception:  # one record must not cost the others theirs
@@ -288,13 +290,14 @@ class Made:
         self.refresh()
 
     def _created(self, fh: int, ino: int, parent: int, name: bytes, mode: int, uid: int,
-                 gid: int, pid: int, fd: int, backing_id: int, _bino: int, _size: int) -> None:
+                 gid: int, pid: int, fd: int, backing_id: int, time_ns: int) -> None:
         tree = self.tree
         pnode = tree.index.get(parent)
         tenant, ns = tree.child_place(pnode, stat.S_IFREG)
         node = tree.index.insert(parent=parent, name=name, mode=mode, uid=uid, gid=gid,
-                                 tenant=tenant, ns=ns, writing=1, inode=ino)
-        tree.dir_changed(parent)
+                                 tenant=tenant, ns=ns, writing=1, inode=ino, atime_ns=time_ns,
+                                 mtime_ns=time_ns)
+        tree.dir_changed(parent, now=max(time_ns, pnode.mtime_ns))  # (as the thread answers)
         self.creating(pnode, name)
         tree.stats.account(tree.key(node), 1, 0)
         tree.residency.add_file(node)

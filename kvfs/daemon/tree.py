@@ -492,10 +492,10 @@ class Tree:
             self.residency.forget_file(node)
             self.stats.account(self.key(node), -1, -self.size_of(node))
 
-    def dir_changed(self, *inodes: int) -> int:
+    def dir_changed(self, *inodes: int, now: int | None = None) -> int:
         """Entries were added to, removed from or renamed in these directories: their mtime
-        and ctime are now, as the backing directories' are. Returns that time."""
-        now = time.time_ns()
+        and ctime are now (or `now`), as the backing directories' are. Returns that time."""
+        now = time.time_ns() if now is None else now
         changed = {i for i in inodes if i != ORPHAN_PARENT}
         self.index.set_times(changed, now)
         if self.passthrough.routed:  # their new attributes, for the request thread to answer
