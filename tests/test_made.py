@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+import time
 
 import pytest
 
@@ -52,6 +53,8 @@ def test_creates_and_flushes_are_the_threads_and_counted_as_the_daemons(mount, n
     assert delta(r1, r0, "thread_create") == 50
     assert delta(r1, r0, "thread_flush") >= 50
     assert delta(r1, r0, "create") == 0 and delta(r1, r0, "flush") == 0
+    # ... and their releases (the files settled at their last flush, unchanged since).
+    assert delta(r1, r0, "thread_release") >= 49 and delta(r1, r0, "release") <= 1
     assert delta(r1, r0, "write") == 0  # the bytes passed through
     # Indexed, listed and counted as the daemon's own creates are.
     assert sorted(p.name for p in ns.iterdir()) == sorted(files)
@@ -285,3 +288,35 @@ def test_many_creates_past_the_lease_and_the_tables(mount, ns):
     assert all((ns / f"h{i}").read_bytes() == i.to_bytes(4, "little") * 100
                for i in range(300))
     assert mount.stats()["tenants"]["t"]["ns"]["files"] == 4800
+
+
+def test_a_block_written_in_place_is_published_as_one(mount, ns):
+    """A block file the thread created, flushed and released is checked as a block by the
+    daemon after the release (in the background): its hash is served, a bad one is not."""
+    from kvfs.format import hashing
+
+    from .test_posix import make_block
+
+    h, data = make_block(7)
+    fan = ns / hashing.block_relpath(h).split("/")[0]
+    fan.mkdir()
+    handed_over(mount, fan)
+    r0 = requests(mount)
+    p = ns / hashing.block_relpath(h)
+    p.write_bytes(data)
+    bad = ns / hashing.block_relpath(make_block(8)[0])
+    bad.parent.mkdir(exist_ok=True)
+    handed_over(mount, bad.parent)
+    bad.write_bytes(b"not a block")
+    assert delta(requests(mount), r0, "thread_create") == 2
+    for _ in range(100):
+        try:
+            if os.getxattr(p, "user.kvfs.block_hash") == h.hex().encode():
+                break
+        except OSError:
+            pass
+        time.sleep(0.05)
+    assert os.getxattr(p, "user.kvfs.block_hash") == h.hex().encode()
+    with pytest.raises(OSError):
+        os.getxattr(bad, "user.kvfs.block_hash")
+    assert p.read_bytes() == data

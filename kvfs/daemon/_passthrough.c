@@ -544,7 +544,7 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
  *   - CREATE of a name the backing directory lacks (a writable regular file): the backing
  *     file is made O_EXCL relative to the directory's fd, owned by the caller, registered as
  *     a backing file, and numbered from inodes the daemon leased it from the index's
- *     sequence (`lease`); the handle is C_MADE | a slot of the `made` table.
+ *     sequence (`lease`); the handle is C_MADE | a generation | a slot of the `made` table.
  *   - FLUSH of such a handle, while nothing but the thread has settled its file (`solo`):
  *     its growth since it was last settled is taken from the tenant's grant (bytes the daemon
  *     reserved for it against the tenant's quota and the mount's capacity); a growth the
@@ -554,8 +554,10 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
  * the file, registers the handle and counts the growth before it serves any other request,
  * then trims the journal. The daemon starts by replaying what a journal holds beyond its
  * last harvest (kvfs.daemon.made): a daemon killed between the reply and the harvest leaves
- * no file the index does not know. RELEASE, FSYNC and everything else about the file stay
- * the daemon's; it drops the handle from the table (`made_drop`) before it closes the fd. */
+ * no file the index does not know. The RELEASE of a handle whose file the thread settled at
+ * its last flush, unchanged since, is answered too (the fd goes to the daemon with the
+ * record); any other RELEASE, FSYNC and everything else about the file stay the daemon's,
+ * which drops the handle from the table (`made_drop`) before it closes the fd. */
 #define C_MADE (1ull << 62)
 #define MADE_SLOTS 4096         /* handles of created files open at once */
 #define GRANT_SLOTS 256         /* tenants with a grant */
@@ -564,7 +566,7 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
 #define JOURNAL_MAGIC 0x6b76666au  /* "jfvk" */
 #define FUSE_DEV_IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
 #define FUSE_DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
-enum { EV_CREATE = 1, EV_FLUSH = 2 };
+enum { EV_CREATE = 1, EV_FLUSH = 2, EV_RELEASE = 3 };
 
 struct backing_map { int32_t fd; uint32_t flags; uint64_t padding; };
 
@@ -579,7 +581,7 @@ struct record {
 
 struct event { struct record r; uint64_t fh; int32_t fd, backing_id; uint32_t pid, pad; };
 
-struct made { uint64_t fh, ino, tenant; int64_t settled; int fd; int solo; int used; };
+struct made { uint64_t fh, ino, tenant; int64_t settled; int fd; int solo; int used; int flushed; };
 struct grant { uint64_t tenant; int64_t left; };
 
 static struct made made[MADE_SLOTS];  /* guarded by table_lock, like all of this section */
@@ -593,7 +595,8 @@ static int journal_fd = -1;
 static int64_t journal_size;
 static uint64_t journal_seq;
 static int creating;                  /* the thread is between its create and its record */
-static unsigned long long made_creates, made_flushes, made_refused;
+static unsigned long long made_creates, made_flushes, made_releases, made_refused;
+static uint64_t made_gen;         /* numbers the handles: a slot's next handle differs */
 
 static void made_reset(void)
 {
@@ -612,7 +615,7 @@ static void made_reset(void)
         close(journal_fd);
     journal_fd = -1;
     journal_size = 0;
-    made_creates = made_flushes = made_refused = 0;
+    made_creates = made_flushes = made_releases = made_refused = 0;
 }
 
 static struct grant *grant_find(uint64_t tenant, int add)
@@ -717,7 +720,7 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
         ev.r.gid = gid;
         ev.r.name_len = (uint32_t)n;
         memcpy(ev.r.name, name, n);
-        ev.fh = C_MADE | (uint64_t)slot;
+        ev.fh = C_MADE | ((++made_gen & 0xFFFFFFFFFFull) << 12) | (uint64_t)slot;
         ev.fd = fd;
         ev.backing_id = id;
         ev.pid = pid;
@@ -741,7 +744,7 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
             made_refused++;
         return 0;
     }
-    made[slot] = (struct made){ev.fh, ino, tenant, 0, fd, 1, 1};
+    made[slot] = (struct made){ev.fh, ino, tenant, 0, fd, 1, 1, 0};
     made_creates++;
     /* Its directory's times changed, to the create's (the daemon's index takes the same at
      * the harvest): the attributes the thread answers for it follow. */
@@ -816,7 +819,36 @@ static int flush_made(uint64_t unique, uint64_t fh)
             cap_left -= growth;
     }
     m->settled = st.st_size;
+    m->flushed = 1;
     made_flushes++;
+    reply(unique, 0, NULL, 0);
+    return 1;
+}
+
+/* The RELEASE of a handle the thread created, answered here (1) when the thread settled its
+ * file and nothing changed it since its last flush; else the daemon's (0). Its fd goes to
+ * the daemon with the record (which closes it), its slot is free again. */
+static int release_made(uint64_t unique, uint64_t fh)
+{
+    int slot = (int)(fh & (MADE_SLOTS - 1));
+    struct made *m = &made[slot];
+    struct stat st;
+    if (!m->used || m->fh != fh || !m->solo || !m->flushed || journal_fd < 0 ||
+        n_events >= MAX_EVENTS || fstat(m->fd, &st) != 0 || st.st_size != m->settled)
+        return 0;
+    struct event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.r.kind = EV_RELEASE;
+    ev.r.ino = m->ino;
+    ev.r.size = (uint64_t)st.st_size;
+    ev.r.time_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    ev.fh = fh;
+    ev.fd = m->fd;
+    if (record(&ev) != 0)
+        return 0;
+    memset(m, 0, sizeof(*m));
+    made_free[made_free_n++] = slot;
+    made_releases++;
     reply(unique, 0, NULL, 0);
     return 1;
 }
@@ -900,6 +932,8 @@ static int answer(const unsigned char *req, size_t len)
         uint64_t fh = get64(in);
         if (opcode == OP_FLUSH && (fh & C_MADE) && !(fh & C_FH))
             return flush_made(unique, fh);
+        if (opcode == OP_RELEASE && (fh & C_MADE) && !(fh & C_FH))
+            return release_made(unique, fh);
         if (!(fh & C_FH))
             return 0;
         if (opcode == OP_READ) {

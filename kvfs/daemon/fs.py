@@ -91,6 +91,7 @@ class Operations(pyfuse3.Operations):
         self.door = Door(tree, self.files, self.reclaim, creates=thread_creates)
         self.made = self.door.made
         self.made.creating = self.promotion.creating
+        self.made.release = self.release_settled
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
         self.xattrs = Xattrs(tree, self.reclaim, commands, self.governance)
         self.handout = Handout(store.root, commands.grants.take_fds, commands.grants.close)
@@ -535,6 +536,34 @@ class Operations(pyfuse3.Operations):
         self.made.released(fh, h.inode)  # (a handle the request thread gave: its fd is ours)
         if h.passthrough:
             await self.door.release(h)
+        if self._closed(h):
+            await self.adoption.complete(h.inode)
+        if h.passthrough:
+            self.door.let_go(h)
+        self.tree.purge_orphan(h.inode)
+
+    def release_settled(self, fh: int) -> None:
+        """A release the request thread answered (kvfs.daemon.made): a passthrough writer it
+        created, whose file it settled at the last flush, unchanged since. The file is
+        checked as a block in the background (the release is answered already)."""
+        h = self.handles.pop(fh, None)
+        if h is None:
+            return
+        self.tree.passthrough.writers[h.key[0]] -= 1
+        if self._closed(h) and self.tree.nursery is not None:
+            self.tree.nursery.start_soon(self._complete, h.inode)
+        self.door.let_go(h)
+        self.tree.purge_orphan(h.inode)
+
+    async def _complete(self, inode: int) -> None:
+        try:
+            await self.adoption.complete(inode)
+        except Exception:  # a background task: never the mount's end
+            log.exception("checking inode %d as a block failed", inode)
+
+    def _closed(self, h: Handle) -> bool:
+        """A handle is released and settled: audited, its fd closed, its open file's state
+        updated; whether the file is now to be checked as a block (`adoption.complete`)."""
         if self.tree.audit is not None:
             node = self.index.find(h.inode)
             if node is not None and (h.nread or h.nwritten or h.writable):
@@ -550,11 +579,7 @@ class Operations(pyfuse3.Operations):
             # waited for.
             self.tree.close_later(h.fd)
         of, changed = self.files.closed(h)
-        if h.writable and of.writers == 0 and changed:
-            await self.adoption.complete(h.inode)
-        if h.passthrough:
-            self.door.let_go(h)
-        self.tree.purge_orphan(h.inode)
+        return h.writable and of.writers == 0 and changed
 
     # -- names ----------------------------------------------------------------------------
 

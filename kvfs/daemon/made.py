@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 #: time_ns, growth, mode, uid, gid, name length, name.
 RECORD = struct.Struct("=IIQQQQQqqIIII256s")
 MAGIC = 0x6B76666A
-EV_CREATE, EV_FLUSH = 1, 2
+EV_CREATE, EV_FLUSH, EV_RELEASE = 1, 2, 3
+KINDS = {EV_CREATE: "create", EV_FLUSH: "flush", EV_RELEASE: "release"}
 #: The handles the thread gives its files (kvfs.daemon._passthrough C_MADE).
 C_MADE = 1 << 62
 JOURNAL = "made.journal"
@@ -163,6 +164,8 @@ class Made:
         # Whether a tenant may have one more passthrough writer (kvfs.daemon.door
         # `room_to_pass`): near its quota or the capacity, its creates are the daemon's.
         self.room: Any = lambda tenant: True
+        # The daemon's release of a handle the thread released (kvfs.daemon.fs).
+        self.release: Any = lambda fh: None
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -278,11 +281,13 @@ class Made:
                 try:
                     if ev[0] == EV_CREATE:
                         self._created(*ev[2:12], ev[14])
-                    else:
+                    elif ev[0] == EV_FLUSH:
                         growth += self._flushed(ev[2], ev[13], ev[14], ev[15])
+                    else:
+                        self._released(ev[2], ev[3])
                 except Exception:  # one record must not cost the others theirs
                     log.exception("the request thread's %s of inode %d could not be taken",
-                                  "create" if ev[0] == EV_CREATE else "flush", ev[3])
+                                  KINDS.get(ev[0], "record"), ev[3])
             index.set_meta(META_SEQ, str(seq))
         _passthrough.made_trim(seq)
         if growth:
@@ -335,6 +340,13 @@ class Made:
         self.files.flushed(h)
         self.flushes += 1
         return max(0, delta)
+
+    def _released(self, fh: int, ino: int) -> None:
+        """A release the thread answered: the handle's file was settled at its last flush
+        and is unchanged since; the rest is the daemon's release (`release`)."""
+        if self.by_inode.get(ino) == fh:
+            del self.by_inode[ino]
+        self.release(fh)
 
     # -- the daemon takes over -----------------------------------------------------------------
 
