@@ -36,7 +36,7 @@ class Door:
         self.files = files
         self.reclaim = reclaim
         tree.collect_opens = self.collect
-        # The creates and flushes the request thread answers (kvfs.daemon.made).
+        # The creates, flushes and releases the request thread answers (kvfs.daemon.made).
         self.made = Made(tree, files, wanted=creates)
         self.made.passed = lambda node, h: self.passed(node, h, tree.open_files[node.inode])
         self.made.grew = reclaim.wake_if_over

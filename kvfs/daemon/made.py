@@ -187,7 +187,8 @@ class Made:
         index = self.tree.index
         try:
             fd = os.open(journal_path(self.tree.store),
-                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                         os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o600)
         except OSError as exc:
             log.warning("the request thread answers no creates: its journal cannot be opened "
                         "(%s)", exc)
