@@ -207,9 +207,9 @@ SETTINGS: tuple[Setting, ...] = (
             "quota and capacity are settled at close (`--no-passthrough`: the daemon serves "
             "every byte; docs/architecture.md, \"The mount door\")"),
     Setting("thread_creates", "bool", True, "with passthrough, the request thread creates "
-            "new files in model directories and answers their flushes, within byte grants "
-            "the daemon reserves against quotas and the capacity; journaled "
-            "(`--no-thread-creates`: the daemon answers every create and flush; "
+            "new files in model directories and answers their flushes and releases, within "
+            "byte grants the daemon reserves against quotas and the capacity; journaled "
+            "(`--no-thread-creates`: the daemon answers every create, flush and release; "
             "docs/architecture.md, \"The mount door\")"),
     Setting("keep_cache", "bool", True, "files the daemon serves (passthrough off or "
             "refused): readers keep the kernel's page cache of a file nobody has open for "
