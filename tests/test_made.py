@@ -320,3 +320,66 @@ def test_a_block_written_in_place_is_published_as_one(mount, ns):
     with pytest.raises(OSError):
         os.getxattr(bad, "user.kvfs.block_hash")
     assert p.read_bytes() == data
+
+
+def test_temporaries_renamed_into_place_are_the_threads(mount, ns):
+    """vLLM's and SGLang's pattern: a temporary created, written, closed and renamed onto
+    its name (missing, checked with exists() first): every request the thread's. A rename
+    onto a name that exists replaces it through the daemon."""
+    r0 = requests(mount)
+    for i in range(30):
+        final = ns / f"page{i}"
+        assert not final.exists()
+        tmp = ns / f"page{i}.tmp.{os.getpid()}"
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_TRUNC, 0o644)
+        os.write(fd, bytes([i]) * 70_000)
+        os.close(fd)
+        os.replace(tmp, final)
+    r1 = requests(mount)
+    assert delta(r1, r0, "thread_rename") == 30 and delta(r1, r0, "rename") == 0
+    assert sorted(p.name for p in ns.iterdir()) == sorted(f"page{i}" for i in range(30))
+    assert sorted(os.listdir(mount.backing / "t" / "ns")) == sorted(f"page{i}"
+                                                                     for i in range(30))
+    for i in range(30):
+        assert (ns / f"page{i}").read_bytes() == bytes([i]) * 70_000
+    # Onto a name that exists: the daemon's (it replaces the file and counts it gone).
+    (ns / "new").write_bytes(b"n" * 1000)
+    os.replace(ns / "new", ns / "page0")
+    assert delta(requests(mount), r1, "rename") == 1
+    assert (ns / "page0").read_bytes() == b"n" * 1000
+    c = mount.stats()["tenants"]["t"]["ns"]
+    assert c["files"] == 30 and c["bytes"] == 29 * 70_000 + 1000
+    mount.stop()
+    mount.start()
+    assert sorted(p.name for p in ns.iterdir()) == sorted(f"page{i}" for i in range(30))
+    assert (ns / "page5").read_bytes() == bytes([5]) * 70_000
+
+
+def test_a_killed_daemon_keeps_a_file_renamed_into_place(mount_factory):
+    """SIGKILL after the thread created, flushed and renamed a file, before the daemon
+    harvested any of it: the next mount finds it at its new name, whole; a temporary still
+    being written is gone."""
+    m = mount_factory()
+    passthrough_on(m)
+    d = m.mnt / "t" / "ns"
+    d.mkdir(parents=True)
+    handed_over(m, d)
+    pid = m.pid()
+    fd = os.open(d / "a.tmp", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(fd, b"a" * 200_000)
+    os.close(os.dup(fd))  # flushed, still open
+    os.rename(d / "a.tmp", d / "a")
+    partial = os.open(d / "b.tmp", os.O_CREAT | os.O_WRONLY, 0o644)
+    os.write(partial, b"b" * 1000)
+    os.kill(pid, 9)
+    for f in (fd, partial):
+        try:
+            os.close(f)
+        except OSError:
+            pass
+    m.stop(check=False)
+    m.start()
+    assert sorted(p.name for p in d.iterdir()) == ["a"]
+    assert (d / "a").read_bytes() == b"a" * 200_000
+    assert sorted(os.listdir(m.backing / "t" / "ns")) == ["a"]
+    assert m.stats()["tenants"]["t"]["ns"]["bytes"] == 200_000

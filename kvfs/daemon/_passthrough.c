@@ -66,6 +66,7 @@
 #include <pthread.h>
 #include <signal.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -98,8 +99,9 @@
 #define FOPEN_PASSTHROUGH (1u << 7)
 /* What may stand beside FOPEN_PASSTHROUGH (the kernel refuses anything else with EINVAL). */
 #define PASSTHROUGH_KEEP (FOPEN_PARALLEL_DIRECT_WRITES | FOPEN_NOFLUSH)
-enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_OPEN = 14, OP_READ = 15, OP_RELEASE = 18,
-       OP_FSYNC = 20, OP_GETXATTR = 22, OP_FLUSH = 25, OP_CREATE = 35, N_OPS = 64 };
+enum { OP_LOOKUP = 1, OP_GETATTR = 3, OP_RENAME = 12, OP_OPEN = 14, OP_READ = 15,
+       OP_RELEASE = 18, OP_FSYNC = 20, OP_GETXATTR = 22, OP_FLUSH = 25, OP_CREATE = 35,
+       OP_RENAME2 = 45, N_OPS = 64 };
 /* The daemon's entry and attribute timeout (kvfs.daemon.tree ENTRY_TIMEOUT), in seconds. */
 #define TIMEOUT_S 10
 #define NAME_MAX_ 255
@@ -566,7 +568,7 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
 #define JOURNAL_MAGIC 0x6b76666au  /* "jfvk" */
 #define FUSE_DEV_IOC_BACKING_OPEN _IOW(229, 1, struct backing_map)
 #define FUSE_DEV_IOC_BACKING_CLOSE _IOW(229, 2, uint32_t)
-enum { EV_CREATE = 1, EV_FLUSH = 2, EV_RELEASE = 3 };
+enum { EV_CREATE = 1, EV_FLUSH = 2, EV_RELEASE = 3, EV_RENAME = 4 };
 
 struct backing_map { int32_t fd; uint32_t flags; uint64_t padding; };
 
@@ -575,9 +577,10 @@ struct record {
     uint32_t magic, kind;
     uint64_t seq, ino, parent, backing_ino, size;
     int64_t time_ns, growth;
-    uint32_t mode, uid, gid, name_len;
-    char name[NAME_MAX_ + 1];
+    uint32_t mode, uid, gid, name_len, name2_len, pad;
+    char name[NAME_MAX_ + 1], name2[NAME_MAX_ + 1];  /* name2: a rename's new name */
 };
+_Static_assert(sizeof(struct record) == 600, "kvfs.daemon.made RECORD");
 
 struct event { struct record r; uint64_t fh; int32_t fd, backing_id; uint32_t pid, pad; };
 
@@ -595,7 +598,7 @@ static int journal_fd = -1;
 static int64_t journal_size;
 static uint64_t journal_seq;
 static int creating;                  /* the thread is between its create and its record */
-static unsigned long long made_creates, made_flushes, made_releases, made_refused;
+static unsigned long long made_creates, made_flushes, made_releases, made_renames, made_refused;
 static uint64_t made_gen;         /* numbers the handles: a slot's next handle differs */
 
 static void made_reset(void)
@@ -615,7 +618,7 @@ static void made_reset(void)
         close(journal_fd);
     journal_fd = -1;
     journal_size = 0;
-    made_creates = made_flushes = made_releases = made_refused = 0;
+    made_creates = made_flushes = made_releases = made_renames = made_refused = 0;
 }
 
 static struct grant *grant_find(uint64_t tenant, int add)
@@ -853,6 +856,96 @@ static int release_made(uint64_t unique, uint64_t fh)
     return 1;
 }
 
+/* A RENAME (or RENAME2 with at most RENAME_NOREPLACE) of a regular file to a new name in
+ * the same directory, one handed over with a tenant that holds a grant, answered here (1):
+ * renameat2(RENAME_NOREPLACE) relative to the directory's fd, so a name the backing
+ * directory has (a file to replace, a stray) is the daemon's, as is any other rename (0).
+ * Not onto a name the ready table answers LOOKUPs for, nor into or out of the name of a
+ * block or a fan-out directory (the daemon checks a block renamed into place before the
+ * rename returns); a file the thread opens keeps its entry, under the new name. The engines' temporaries
+ * renamed into place (vLLM's file tier, SGLang's HiCacheFile). */
+static int rename_file(uint64_t unique, uint64_t dino, uint32_t opcode,
+                       const unsigned char *req, size_t len)
+{
+    const unsigned char *in = req + IN_HEADER;  /* fuse_rename_in {newdir}, fuse_rename2_in
+                                                 * {newdir, flags, padding}; then the names */
+    size_t head = opcode == OP_RENAME2 ? 16 : 8;
+    if (journal_fd < 0 || len < IN_HEADER + head + 4 || n_events >= MAX_EVENTS ||
+        journal_size >= JOURNAL_MAX)
+        return 0;
+    uint32_t flags = opcode == OP_RENAME2 ? get32(in + 8) : 0;
+    if (get64(in) != dino || (flags & ~(uint32_t)RENAME_NOREPLACE))
+        return 0;
+    const char *old = (const char *)in + head;
+    size_t room = len - IN_HEADER - head, n1 = strnlen(old, room);
+    if (n1 >= room - 1)
+        return 0;
+    const char *new_ = old + n1 + 1;
+    size_t room2 = room - n1 - 1, n2 = strnlen(new_, room2);
+    if (n2 == room2 || !valid_name(old, n1) || !valid_name(new_, n2))
+        return 0;
+    struct dir *d = dir_find(dino, NULL);
+    if (!d || !d->tenant || may_be_below(old, n1) || may_be_below(new_, n2))
+        return 0;
+    struct grant *g = grant_find(d->tenant, 0);
+    if (!g || g->left < 0 || find_name(dino, new_, n2))
+        return 0;
+    int dfd = busy_fd = d->fd;
+    busy_closed = 0;
+    creating = 1;
+    pthread_mutex_unlock(&table_lock);
+    struct stat st;
+    int done = fstatat(dfd, old, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISREG(st.st_mode) &&
+               renameat2(dfd, old, dfd, new_, RENAME_NOREPLACE) == 0;
+    int64_t t = now_ns();
+    pthread_mutex_lock(&table_lock);
+    if (done) {
+        struct event ev;
+        memset(&ev, 0, sizeof(ev));
+        ev.r.kind = EV_RENAME;
+        ev.r.parent = dino;
+        ev.r.backing_ino = st.st_ino;
+        ev.r.time_ns = t;
+        ev.r.uid = get32(req + 24);
+        ev.r.gid = get32(req + 28);
+        ev.r.name_len = (uint32_t)n1;
+        memcpy(ev.r.name, old, n1);
+        ev.r.name2_len = (uint32_t)n2;
+        memcpy(ev.r.name2, new_, n2);
+        ev.pid = get32(req + 32);
+        if (record(&ev) != 0) {  /* not kept: put back, the daemon's to do */
+            renameat2(dfd, new_, dfd, old, RENAME_NOREPLACE);
+            done = 0;
+        }
+    }
+    if (busy_closed)
+        close(busy_fd);
+    busy_fd = -1;
+    creating = 0;
+    if (!done)
+        return 0;
+    made_renames++;
+    struct entry *e = find_name(dino, old, n1);
+    if (e) {  /* a file the thread opens: its LOOKUPs answered under the new name, and its
+               * ctime is the rename's */
+        name_set(e, 0);
+        memcpy(e->name, new_, n2);
+        e->name_len = (uint8_t)n2;
+        name_set(e, 1);
+        put64(e->attr + 40, (uint64_t)(t / 1000000000));
+        put32(e->attr + 56, (uint32_t)(t % 1000000000));
+    }
+    struct entry *pe = find(dino, NULL);  /* its directory's times, as at a create */
+    if (pe && pe->state == LIVE && !pe->backing_id) {
+        for (int i = 1; i < 3; i++) {
+            put64(pe->attr + 24 + 8 * i, (uint64_t)(t / 1000000000));
+            put32(pe->attr + 48 + 4 * i, (uint32_t)(t % 1000000000));
+        }
+    }
+    reply(unique, 0, NULL, 0);
+    return 1;
+}
+
 /* The request in `req` answered here (1), or left to the daemon (0). Called with the lock. */
 static int answer(const unsigned char *req, size_t len)
 {
@@ -923,6 +1016,9 @@ static int answer(const unsigned char *req, size_t len)
     }
     case OP_CREATE:
         return create_file(unique, ino, req, len);
+    case OP_RENAME:
+    case OP_RENAME2:
+        return rename_file(unique, ino, opcode, req, len);
     case OP_RELEASE:  /* fuse_release_in {u64 fh, ...}; the others: {u64 fh, ...} too */
     case OP_FLUSH:
     case OP_FSYNC:
@@ -1646,7 +1742,7 @@ static PyObject *py_cap_add(PyObject *self, PyObject *args)
 static PyObject *py_made_harvest(PyObject *self, PyObject *noargs)
 {
     /* ([(kind, seq, fh, inode, parent, name, mode, uid, gid, pid, fd, backing_id, backing
-     * inode, size, time_ns, growth)], last seq, inodes left in the lease) */
+     * inode, size, time_ns, growth, new name)], last seq, inodes left in the lease) */
     pthread_mutex_lock(&table_lock);
     struct event *got = events;
     size_t n = n_events;
@@ -1657,11 +1753,12 @@ static PyObject *py_made_harvest(PyObject *self, PyObject *noargs)
     PyObject *out = PyList_New((Py_ssize_t)n);
     for (size_t i = 0; out && i < n; i++) {
         struct record *r = &got[i].r;
-        PyObject *t = Py_BuildValue("(IKKKKy#IIIIiiKKLL)", r->kind, r->seq, got[i].fh, r->ino,
-                                    r->parent, r->name, (Py_ssize_t)r->name_len, r->mode,
-                                    r->uid, r->gid, got[i].pid, got[i].fd, got[i].backing_id,
-                                    r->backing_ino, r->size, (long long)r->time_ns,
-                                    (long long)r->growth);
+        PyObject *t = Py_BuildValue("(IKKKKy#IIIIiiKKLLy#)", r->kind, r->seq, got[i].fh,
+                                    r->ino, r->parent, r->name, (Py_ssize_t)r->name_len,
+                                    r->mode, r->uid, r->gid, got[i].pid, got[i].fd,
+                                    got[i].backing_id, r->backing_ino, r->size,
+                                    (long long)r->time_ns, (long long)r->growth, r->name2,
+                                    (Py_ssize_t)r->name2_len);
         if (!t)
             Py_CLEAR(out);
         else
@@ -1721,12 +1818,14 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
     static const struct { int op; const char *name; } names[] = {
         {OP_GETATTR, "getattr"}, {OP_OPEN, "open"}, {OP_RELEASE, "release"},
         {OP_FSYNC, "fsync"}, {OP_GETXATTR, "getxattr"}, {OP_FLUSH, "flush"},
-        {OP_READ, "read"}, {OP_LOOKUP, "lookup"}, {OP_CREATE, "create"}};
+        {OP_READ, "read"}, {OP_LOOKUP, "lookup"}, {OP_CREATE, "create"},
+        {OP_RENAME, "rename"}, {OP_RENAME2, "rename2"}};
     enum { N = sizeof(names) / sizeof(names[0]) };
     pthread_mutex_lock(&table_lock);
     unsigned long long counts[N], fwd = forwarded;
     size_t live = table_live;
     unsigned long long creates = made_creates, flushes = made_flushes, refused = made_refused;
+    unsigned long long releases = made_releases, renames = made_renames;
     unsigned long long leased = ino_end - ino_next;
     for (int i = 0; i < N; i++)
         counts[i] = answered[names[i].op];
@@ -1740,7 +1839,7 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
         }
         Py_DECREF(v);
     }
-    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n,s:K,s:K,s:K,s:K}",
+    return Py_BuildValue("{s:O,s:O,s:I,s:I,s:K,s:K,s:O,s:N,s:K,s:n,s:K,s:K,s:K,s:K,s:K,s:K}",
                          "init_seen", init_seen ? Py_True : Py_False,
                          "init_offered", init_offered ? Py_True : Py_False,
                          "init_flags", init_flags, "init_minor", init_minor,
@@ -1748,7 +1847,8 @@ static PyObject *py_state(PyObject *self, PyObject *noargs)
                          "routed", thread_running ? Py_True : Py_False,
                          "answered", ops, "forwarded", fwd, "ready", (Py_ssize_t)live,
                          "made_creates", creates, "made_flushes", flushes,
-                         "made_refused", refused, "leased", leased);
+                         "made_refused", refused, "leased", leased,
+                         "made_releases", releases, "made_renames", renames);
 }
 
 static PyObject *py_fstype(PyObject *self, PyObject *args)

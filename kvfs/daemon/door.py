@@ -41,6 +41,7 @@ class Door:
         self.made.passed = lambda node, h: self.passed(node, h, tree.open_files[node.inode])
         self.made.grew = reclaim.wake_if_over
         self.made.room = self.room_to_pass
+        self.made.delegate = self.delegate
         reclaim.before_room = self.made.take_back
 
     def may_pass(self, inode: int) -> bool:

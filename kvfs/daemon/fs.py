@@ -92,6 +92,7 @@ class Operations(pyfuse3.Operations):
         self.made = self.door.made
         self.made.creating = self.promotion.creating
         self.made.release = self.release_settled
+        self.made.complete = self.complete_later
         commands = Commands(tree, self.adoption, self.reclaim, self.promotion)
         self.xattrs = Xattrs(tree, self.reclaim, commands, self.governance)
         self.handout = Handout(store.root, commands.grants.take_fds, commands.grants.close)
@@ -550,10 +551,15 @@ class Operations(pyfuse3.Operations):
         if h is None:
             return
         self.tree.passthrough.writers[h.key[0]] -= 1
-        if self._closed(h) and self.tree.nursery is not None:
-            self.tree.nursery.start_soon(self._complete, h.inode)
+        if self._closed(h):
+            self.complete_later(h.inode)
         self.door.let_go(h)
         self.tree.purge_orphan(h.inode)
+
+    def complete_later(self, inode: int) -> None:
+        """Check a file as a block in the background (`adoption.complete`)."""
+        if self.tree.nursery is not None:
+            self.tree.nursery.start_soon(self._complete, inode)
 
     async def _complete(self, inode: int) -> None:
         try:

@@ -43,11 +43,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 #: struct record of the C module: magic, kind, seq, inode, parent, backing inode, size,
-#: time_ns, growth, mode, uid, gid, name length, name.
-RECORD = struct.Struct("=IIQQQQQqqIIII256s")
+#: time_ns, growth, mode, uid, gid, name length, new name length (a rename's), padding,
+#: name, new name.
+RECORD = struct.Struct("=IIQQQQQqqIIIIII256s256s")
 MAGIC = 0x6B76666A
-EV_CREATE, EV_FLUSH, EV_RELEASE = 1, 2, 3
-KINDS = {EV_CREATE: "create", EV_FLUSH: "flush", EV_RELEASE: "release"}
+EV_CREATE, EV_FLUSH, EV_RELEASE, EV_RENAME = 1, 2, 3, 4
+KINDS = {EV_CREATE: "create", EV_FLUSH: "flush", EV_RELEASE: "release", EV_RENAME: "rename"}
 #: The handles the thread gives its files (kvfs.daemon._passthrough C_MADE).
 C_MADE = 1 << 62
 JOURNAL = "made.journal"
@@ -94,44 +95,65 @@ def _path(index: Index, inode: int) -> bytes | None:
     return b"/".join(reversed(parts))
 
 
+def _backing_ino(index: Index, store: BackingStore, parent: int, name: bytes) -> int | None:
+    """The inode number of a regular file `name` in directory `parent`'s backing directory."""
+    prel = _path(index, parent)
+    try:
+        st = store.lstat(prel + b"/" + name) if prel else None
+    except OSError:
+        return None
+    return st.st_ino if st is not None and stat.S_ISREG(st.st_mode) else None
+
+
 def replay(index: Index, store: BackingStore) -> int:
     """At mount, before the index is reconciled: what a journal holds past the last harvest
     (a daemon killed between the thread's reply and its harvest), applied as the harvest
     would have: a file created is indexed as being written (the reconcile then removes it,
-    half-written, unless a flush record follows, which marks it complete). Only a backing
-    file that is still the one created (its inode number) is taken. Returns the records
-    applied."""
+    half-written, unless a flush record follows, which marks it complete), a rename moves
+    its row. Only backing files that are still the ones recorded (their inode numbers) are
+    taken. Returns the records read."""
     path = journal_path(store)
     done = int(index.get_meta(META_SEQ) or 0)
     recs = [r for r in read_journal(path) if r[2] > done]
     applied = 0
     if recs:
+        created: dict[int, int] = {}  # inode -> backing inode, checked at the end
         with index.transaction():
-            for (_, kind, seq, ino, parent, bino, size, t, _, mode, uid, gid, nlen,
-                 raw) in recs:
+            for (_, kind, _, ino, parent, bino, size, t, _, mode, uid, gid, nlen, n2len, _,
+                 raw, raw2) in recs:
                 name = raw[:nlen]
                 if kind == EV_CREATE:
                     pnode = index.find(parent)
                     if (pnode is None or not pnode.is_dir or index.find(ino) is not None
                             or index.lookup(parent, name) is not None):
                         continue
-                    prel = _path(index, parent)
-                    try:
-                        st = store.lstat(prel + b"/" + name) if prel else None
-                    except OSError:
-                        st = None
-                    if st is None or st.st_ino != bino or not stat.S_ISREG(st.st_mode):
-                        continue
                     tenant, ns = Tree.child_place(pnode, stat.S_IFREG)
                     index.insert(parent=parent, name=name, mode=mode, uid=uid, gid=gid,
                                  tenant=tenant, ns=ns, writing=1, inode=ino, atime_ns=t,
                                  mtime_ns=t)
-                    applied += 1
+                    created[ino] = bino
                 elif kind == EV_FLUSH:
                     node = index.find(ino)
-                    if node is not None and node.writing == 1:
-                        index.update(ino, size=size, mtime_ns=t, ctime_ns=t, writing=0)
-                        applied += 1
+                    if node is None or node.writing != 1:
+                        continue
+                    index.update(ino, size=size, mtime_ns=t, ctime_ns=t, writing=0)
+                elif kind == EV_RENAME:
+                    node, new = index.lookup(parent, name), raw2[:n2len]
+                    if node is None or not node.is_reg or index.lookup(parent, new) is not None:
+                        continue
+                    index.move(node.inode, parent, new)
+                    if node.inode not in created and _backing_ino(
+                            index, store, parent, new) != bino:
+                        index.move(node.inode, parent, name)  # not what the thread moved
+                        continue
+                else:
+                    continue
+                applied += 1
+            for ino, bino in created.items():  # (where renames left them)
+                node = index.find(ino)
+                if node is not None and _backing_ino(index, store, node.parent,
+                                                     node.name) != bino:
+                    index.delete(ino)
             index.set_meta(META_SEQ, str(recs[-1][2]))
         log.info("journal of the request thread's creates: %d of %d records applied",
                  applied, len(recs))
@@ -154,7 +176,7 @@ class Made:
         self.on: set[int] = set()  # those with a grant on
         self.by_inode: dict[int, int] = {}
         self.leased = 0
-        self.creates = self.flushes = 0  # harvested
+        self.creates = self.flushes = self.renames = 0  # harvested
         # Set by the owner (kvfs.daemon.door): a name is created (the miss its lookup
         # counted taken back), a passthrough writer is registered, growth to wake eviction
         # for.
@@ -164,8 +186,11 @@ class Made:
         # Whether a tenant may have one more passthrough writer (kvfs.daemon.door
         # `room_to_pass`): near its quota or the capacity, its creates are the daemon's.
         self.room: Any = lambda tenant: True
-        # The daemon's release of a handle the thread released (kvfs.daemon.fs).
+        # The daemon's release of a handle the thread released, and its check of a file as
+        # a block, in the background (kvfs.daemon.fs).
         self.release: Any = lambda fh: None
+        self.complete: Any = lambda inode: None
+        self.delegate: Any = lambda node: None  # kvfs.daemon.door `delegate`
 
     # -- starting ---------------------------------------------------------------------------
 
@@ -284,8 +309,10 @@ class Made:
                         self._created(*ev[2:12], ev[14])
                     elif ev[0] == EV_FLUSH:
                         growth += self._flushed(ev[2], ev[13], ev[14], ev[15])
-                    else:
+                    elif ev[0] == EV_RELEASE:
                         self._released(ev[2], ev[3])
+                    else:
+                        self._renamed(ev[4], ev[5], ev[16], ev[7], ev[9], ev[14])
                 except Exception:  # one record must not cost the others theirs
                     log.exception("the request thread's %s of inode %d could not be taken",
                                   KINDS.get(ev[0], "record"), ev[3])
@@ -349,6 +376,31 @@ class Made:
             del self.by_inode[ino]
         self.release(fh)
 
+    def _renamed(self, parent: int, old: bytes, new: bytes, uid: int, pid: int,
+                 time_ns: int) -> None:
+        """A rename the thread made: a regular file to a name its directory did not have."""
+        tree = self.tree
+        node = tree.index.lookup(parent, old)
+        if node is None:
+            log.warning("the request thread renamed %r, which the index does not have", old)
+            return
+        old_path = tree.path(node)
+        held = tree.passthrough.hold(node.inode)  # delegated, it stays so (as at fs.rename)
+        tree.index.move(node.inode, parent, new)
+        tree.index.update(node.inode, ctime_ns=max(time_ns, node.ctime_ns))  # (as answered)
+        tree.dir_changed(parent, now=time_ns)
+        node = tree.index.get(node.inode)
+        if held:
+            self.delegate(node)
+            tree.passthrough.release(node.inode)
+        self.renames += 1
+        if tree.audit is not None:
+            tree.audit_op(uid, pid, node, "rename", path=old_path,
+                          to=tree.path(node).decode(errors="replace"))
+        if node.inode not in tree.open_files and node.block_hash is not None:
+            self.complete(node.inode)  # (a block under another name: the thread renames no
+            # file into or out of a block's name, but a hostile tree may name one otherwise)
+
     # -- the daemon takes over -----------------------------------------------------------------
 
     def own(self, inode: int) -> None:
@@ -367,7 +419,3 @@ class Made:
             _passthrough.made_drop(fh)
             if self.by_inode.get(inode) == fh:
                 del self.by_inode[inode]
-
-    def snapshot(self) -> dict[str, object]:
-        return {"creates": self.creates, "flushes": self.flushes, "on": self.started,
-                "tenants_granted": len(self.on)}
