@@ -537,7 +537,7 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
     return 1;
 }
 
-/* -- 3. creates and their flushes ---------------------------------------------------------- */
+/* -- 3. creates, their flushes, releases and renames ---------------------------------------------------------- */
 
 /* With the bytes passing through, what a new file costs is its CREATE and the FLUSH at its
  * close, each a round trip through pyfuse3's loop. In a directory the daemon handed over
@@ -558,8 +558,10 @@ static int lookup_missing(uint64_t unique, uint64_t ino, const char *name, size_
  * last harvest (kvfs.daemon.made): a daemon killed between the reply and the harvest leaves
  * no file the index does not know. The RELEASE of a handle whose file the thread settled at
  * its last flush, unchanged since, is answered too (the fd goes to the daemon with the
- * record); any other RELEASE, FSYNC and everything else about the file stay the daemon's,
- * which drops the handle from the table (`made_drop`) before it closes the fd. */
+ * record), and so is a RENAME of a regular file to a name its directory lacks
+ * (`rename_file`: the engines' temporaries renamed into place); any other RELEASE, FSYNC and
+ * everything else about the file stay the daemon's, which drops the handle from the table
+ * (`made_drop`) before it closes the fd. */
 #define C_MADE (1ull << 62)
 #define MADE_SLOTS 4096         /* handles of created files open at once */
 #define GRANT_SLOTS 256         /* tenants with a grant */

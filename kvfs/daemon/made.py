@@ -1,23 +1,28 @@
-"""The files the request thread creates, and their flushes: what the daemon keeps of them.
+"""The files the request thread creates, their flushes, releases and renames: what the daemon
+keeps of them.
 
-With the bytes passing through, a new file's cost was its CREATE and its FLUSH, each a round
-trip through pyfuse3's loop. In a model directory handed over to the request thread
-(kvfs.daemon.passthrough `hand_dir`) and while its tenant holds a *grant*, the thread answers
-both in C (kvfs.daemon._passthrough, section 3): it makes the backing file O_EXCL in the
+With the bytes passing through, a new file's cost was its CREATE, FLUSH and RELEASE (and for
+a temporary renamed into place, its RENAME), each a round trip through pyfuse3's loop. In a
+model directory handed over to the request thread (kvfs.daemon.passthrough `hand_dir`) and
+while its tenant holds a *grant*, the thread answers them in C (kvfs.daemon._passthrough,
+section 3): it makes the backing file O_EXCL in the
 directory's fd, owned by the caller, registers it as a backing file and numbers the inode
 from a range the daemon leased it from the index's sequence (`lease`); at the FLUSH it takes
 the file's growth from the grant, bytes the daemon reserved for that tenant against its
 quota and the mount's capacity (`Residency.granted`, `cap_granted`): a growth the grant
-cannot cover is the daemon's to settle, evicting or refusing as before.
+cannot cover is the daemon's to settle, evicting or refusing as before. It answers the
+RELEASE of a file it settled at its last flush, unchanged since, and a RENAME of a regular
+file to a name its directory lacks (renameat2 RENAME_NOREPLACE on the directory's fd).
 
 Before it replies, the thread appends a record to the *journal* (`.kvfs/made.journal`) and
 queues it. The daemon `harvest`s the queue at the start of every request it serves (any
 request about the new file comes after the reply, so after the record), indexes the files
-(being written, as its own create does), registers their handles and counts their growth,
-in one transaction that also stores the last record's number (`made_seq`); then it empties
-the journal. A daemon killed in between leaves records past `made_seq`: the next mount
-`replay`s them before it reconciles, so a file the thread created and nobody flushed is
-removed as a half-written one, and a flushed one is kept, as for the daemon's own.
+(being written, as its own create does), registers their handles, counts their growth,
+closes what was released and moves what was renamed, in one transaction that also stores
+the last record's number (`made_seq`); then it empties the journal. A daemon killed in
+between leaves records past `made_seq`: the next mount `replay`s them before it reconciles,
+so a file the thread created and nobody flushed is removed as a half-written one, and a
+flushed one is kept (under the name a rename gave it), as for the daemon's own.
 
 State (event loop only): `granted` and `cap_granted` live in the residency (they count as
 used where room is planned); `by_inode` (inode -> the handle of its creator, while open).
@@ -165,7 +170,8 @@ def replay(index: Index, store: BackingStore) -> int:
 
 
 class Made:
-    """The daemon's side of the request thread's creates and flushes (module docstring)."""
+    """The daemon's side of the request thread's creates, flushes, releases and renames
+    (module docstring)."""
 
     def __init__(self, tree: Tree, files: OpenFiles, *, wanted: bool = True) -> None:
         self.tree = tree

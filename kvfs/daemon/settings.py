@@ -207,10 +207,10 @@ SETTINGS: tuple[Setting, ...] = (
             "quota and capacity are settled at close (`--no-passthrough`: the daemon serves "
             "every byte; docs/architecture.md, \"The mount door\")"),
     Setting("thread_creates", "bool", True, "with passthrough, the request thread creates "
-            "new files in model directories and answers their flushes and releases, within "
-            "byte grants the daemon reserves against quotas and the capacity; journaled "
-            "(`--no-thread-creates`: the daemon answers every create, flush and release; "
-            "docs/architecture.md, \"The mount door\")"),
+            "new files in model directories and answers their flushes, releases and renames "
+            "into place, within byte grants the daemon reserves against quotas and the "
+            "capacity; journaled (`--no-thread-creates`: the daemon answers every create, "
+            "flush, release and rename; docs/architecture.md, \"The mount door\")"),
     Setting("keep_cache", "bool", True, "files the daemon serves (passthrough off or "
             "refused): readers keep the kernel's page cache of a file nobody has open for "
             "writing (`--no-keep-cache`: dropped at each open)"),
