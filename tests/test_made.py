@@ -11,7 +11,6 @@ where the kernel or `--no-passthrough` turns it off: then there is no request th
 
 from __future__ import annotations
 
-import errno
 import os
 import subprocess
 import time
@@ -19,7 +18,7 @@ import time
 import pytest
 
 from .conftest import in_child, kvfs
-from .test_passthrough import passthrough_on, requests
+from .test_passthrough import passthrough_on, requests, write_mib
 
 pytestmark = pytest.mark.mount
 MiB = 1 << 20
@@ -35,13 +34,32 @@ def handed_over(m, d) -> None:
     assert m.stats()["passthrough"]["directories"] >= 1
 
 
+def model_dir(m):
+    """A model directory of tenant `t` on a mount with passthrough, handed over."""
+    passthrough_on(m)
+    d = m.mnt / "t" / "ns"
+    d.mkdir(parents=True)
+    handed_over(m, d)
+    return d
+
+
+def killed(m, pid: int, fds: list[int], *, restart: bool = True) -> None:
+    """SIGKILL the daemon, close what the test held open, unmount what is left (and mount
+    again)."""
+    os.kill(pid, 9)
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    m.stop(check=False)
+    if restart:
+        m.start()
+
+
 @pytest.fixture
 def ns(mount):
-    passthrough_on(mount)
-    d = mount.mnt / "t" / "ns"
-    d.mkdir(parents=True)
-    handed_over(mount, d)
-    return d
+    return model_dir(mount)
 
 
 def test_creates_and_flushes_are_the_threads_and_counted_as_the_daemons(mount, ns):
@@ -106,10 +124,7 @@ def test_a_created_file_is_the_callers_with_its_umask(mount):
 
 def test_no_thread_creates_leaves_them_to_the_daemon(mount_factory):
     m = mount_factory(extra=["--no-thread-creates"])
-    passthrough_on(m)
-    d = m.mnt / "t" / "ns"
-    d.mkdir(parents=True)
-    handed_over(m, d)
+    d = model_dir(m)
     r0 = requests(m)
     for i in range(10):
         (d / f"f{i}").write_bytes(b"x" * 1000)
@@ -130,30 +145,20 @@ def test_a_flush_past_the_grant_is_the_daemons_and_the_quota_holds(mount):
     in_child(1000, 1000, lambda: os.mkdir(d))
     handed_over(mount, d)
 
-    def write(name: str, n: int) -> str:
-        fd = os.open(d / name, os.O_CREAT | os.O_WRONLY, 0o644)
-        try:
-            os.write(fd, b"q" * n)
-        except OSError as exc:
-            os.close(fd)
-            return f"write {errno.errorcode[exc.errno]}"
-        try:
-            os.close(fd)
-        except OSError as exc:
-            return f"close {errno.errorcode[exc.errno]}"
-        return "ok"
+    def write(name: str, mib: int) -> str:
+        return write_mib(d / name, mib)
 
     def usage() -> int:
         return sum(c["bytes"] for c in mount.stats()["tenants"]["q"].values())
 
     r0 = requests(mount)
     for i in range(20):
-        assert in_child(1000, 1000, lambda i=i: write(f"small{i}", MiB)) == "ok"
+        assert in_child(1000, 1000, lambda i=i: write(f"small{i}", 1)) == "ok"
     r1 = requests(mount)
     assert delta(r1, r0, "thread_create") == 20 and delta(r1, r0, "thread_flush") == 20
     assert usage() == 20 * MiB
     # Larger than the whole quota (nothing the daemon could evict makes it fit).
-    assert in_child(1000, 1000, lambda: write("big", 210 * MiB)) == "close EDQUOT"
+    assert in_child(1000, 1000, lambda: write("big", 210)) == "close EDQUOT"
     assert os.stat(d / "big").st_size == 0
     assert delta(requests(mount), r1, "flush") >= 1  # the daemon settled it
     assert usage() == 20 * MiB
@@ -162,17 +167,14 @@ def test_a_flush_past_the_grant_is_the_daemons_and_the_quota_holds(mount):
     (d / "big").unlink()
     r2 = requests(mount)
     for i in range(5):
-        assert in_child(1000, 1000, lambda i=i: write(f"again{i}", MiB)) == "ok"
+        assert in_child(1000, 1000, lambda i=i: write(f"again{i}", 1)) == "ok"
     assert delta(requests(mount), r2, "thread_flush") >= 1
     assert usage() == 25 * MiB
 
 
 def test_the_capacity_holds_with_the_threads_flushes(mount_factory):
     m = mount_factory(extra=["--capacity", "160M"])
-    passthrough_on(m)
-    d = m.mnt / "t" / "ns"
-    d.mkdir(parents=True)
-    handed_over(m, d)
+    d = model_dir(m)
     r0 = requests(m)
     for i in range(80):
         (d / f"f{i}").write_bytes(bytes([i]) * (4 * MiB))
@@ -231,10 +233,7 @@ def test_a_killed_daemon_keeps_what_was_closed_and_no_stray(mount_factory, then)
     flush) are kept whole, files still being written are removed, nothing is left the index
     does not know."""
     m = mount_factory()
-    passthrough_on(m)
-    d = m.mnt / "t" / "ns"
-    d.mkdir(parents=True)
-    handed_over(m, d)
+    d = model_dir(m)
     pid = m.pid()  # (a request to the daemon: none after this one until the kill)
     journal = m.backing / ".kvfs" / "made.journal"
     fds = []
@@ -248,13 +247,7 @@ def test_a_killed_daemon_keeps_what_was_closed_and_no_stray(mount_factory, then)
         os.close(os.dup(fd))  # close(2) of one descriptor: a FLUSH, no RELEASE yet
         fds.append(fd)
     recorded = journal.stat().st_size
-    os.kill(pid, 9)
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-    m.stop(check=False)
+    killed(m, pid, fds, restart=False)
     if then == "fsck":
         out = kvfs("fsck", str(m.backing))
         assert journal.stat().st_size == 0
@@ -360,10 +353,7 @@ def test_a_killed_daemon_keeps_a_file_renamed_into_place(mount_factory):
     harvested any of it: the next mount finds it at its new name, whole; a temporary still
     being written is gone."""
     m = mount_factory()
-    passthrough_on(m)
-    d = m.mnt / "t" / "ns"
-    d.mkdir(parents=True)
-    handed_over(m, d)
+    d = model_dir(m)
     pid = m.pid()
     fd = os.open(d / "a.tmp", os.O_CREAT | os.O_WRONLY, 0o644)
     os.write(fd, b"a" * 200_000)
@@ -371,14 +361,7 @@ def test_a_killed_daemon_keeps_a_file_renamed_into_place(mount_factory):
     os.rename(d / "a.tmp", d / "a")
     partial = os.open(d / "b.tmp", os.O_CREAT | os.O_WRONLY, 0o644)
     os.write(partial, b"b" * 1000)
-    os.kill(pid, 9)
-    for f in (fd, partial):
-        try:
-            os.close(f)
-        except OSError:
-            pass
-    m.stop(check=False)
-    m.start()
+    killed(m, pid, [fd, partial])
     assert sorted(p.name for p in d.iterdir()) == ["a"]
     assert (d / "a").read_bytes() == b"a" * 200_000
     assert sorted(os.listdir(m.backing / "t" / "ns")) == ["a"]

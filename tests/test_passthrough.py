@@ -52,6 +52,24 @@ def data_requests(m) -> int:
     return r.get("read", 0) + r.get("write", 0)
 
 
+def write_mib(path, n: int) -> str:
+    """Create (or truncate) `path` and write `n` MiB to it: "ok", or which call failed and
+    with what ("write EDQUOT", "close EDQUOT": a passthrough writer is refused at close)."""
+    fd = os.open(path, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
+    chunk = b"q" * MiB
+    try:
+        for _ in range(n):
+            os.write(fd, chunk)
+    except OSError as exc:
+        os.close(fd)
+        return f"write {errno.errorcode[exc.errno]}"
+    try:
+        os.close(fd)
+    except OSError as exc:
+        return f"close {errno.errorcode[exc.errno]}"
+    return "ok"
+
+
 def aligned(n: int) -> mmap.mmap:
     """An anonymous, page-aligned buffer of n bytes (O_DIRECT needs one)."""
     return mmap.mmap(-1, n)
@@ -179,19 +197,7 @@ def test_a_writer_past_its_quota_is_refused_at_close_and_cut_back(mount):
     in_child(1000, 1000, lambda: os.mkdir(d))
 
     def write(name: str, n: int) -> str:
-        fd = os.open(d / name, os.O_CREAT | os.O_WRONLY | os.O_TRUNC, 0o644)
-        chunk = b"q" * MiB
-        try:
-            for _ in range(n):
-                os.write(fd, chunk)
-        except OSError as exc:
-            os.close(fd)
-            return f"write {errno.errorcode[exc.errno]}"
-        try:
-            os.close(fd)
-        except OSError as exc:
-            return f"close {errno.errorcode[exc.errno]}"
-        return "ok"
+        return write_mib(d / name, n)
 
     def usage() -> int:
         return sum(c["bytes"] for c in mount.stats()["tenants"]["q"].values())

@@ -785,6 +785,19 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
     return 1;
 }
 
+/* The record of a flush or release of handle `m`, its file as `st` says. */
+static void file_event(struct event *ev, uint32_t kind, const struct made *m,
+                       const struct stat *st)
+{
+    memset(ev, 0, sizeof(*ev));
+    ev->r.kind = kind;
+    ev->r.ino = m->ino;
+    ev->r.size = (uint64_t)st->st_size;
+    ev->r.time_ns = (int64_t)st->st_mtim.tv_sec * 1000000000 + st->st_mtim.tv_nsec;
+    ev->fh = m->fh;
+    ev->fd = m->fd;
+}
+
 /* A FLUSH of a handle the thread created, answered here (1) when its growth fits the
  * tenant's grant (and the capacity's), or left to the daemon (0). */
 static int flush_made(uint64_t unique, uint64_t fh)
@@ -806,14 +819,8 @@ static int flush_made(uint64_t unique, uint64_t fh)
         return 0;
     }
     struct event ev;
-    memset(&ev, 0, sizeof(ev));
-    ev.r.kind = EV_FLUSH;
-    ev.r.ino = m->ino;
-    ev.r.size = (uint64_t)st.st_size;
-    ev.r.time_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
+    file_event(&ev, EV_FLUSH, m, &st);
     ev.r.growth = growth;
-    ev.fh = fh;
-    ev.fd = m->fd;
     if (record(&ev) != 0) {
         m->solo = 0;
         return 0;
@@ -842,13 +849,7 @@ static int release_made(uint64_t unique, uint64_t fh)
         n_events >= MAX_EVENTS || fstat(m->fd, &st) != 0 || st.st_size != m->settled)
         return 0;
     struct event ev;
-    memset(&ev, 0, sizeof(ev));
-    ev.r.kind = EV_RELEASE;
-    ev.r.ino = m->ino;
-    ev.r.size = (uint64_t)st.st_size;
-    ev.r.time_ns = (int64_t)st.st_mtim.tv_sec * 1000000000 + st.st_mtim.tv_nsec;
-    ev.fh = fh;
-    ev.fd = m->fd;
+    file_event(&ev, EV_RELEASE, m, &st);
     if (record(&ev) != 0)
         return 0;
     memset(m, 0, sizeof(*m));
