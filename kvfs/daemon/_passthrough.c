@@ -671,6 +671,19 @@ static int valid_name(const char *name, size_t n)
            !memchr(name, '/', n);
 }
 
+/* Directory `dino`'s entries changed at `t`: the mtime and ctime the thread answers for it
+ * follow (the daemon's index takes the same time at the harvest). */
+static void dir_touched(uint64_t dino, int64_t t)
+{
+    struct entry *pe = find(dino, NULL);
+    if (pe && pe->state == LIVE && !pe->backing_id) {
+        for (int i = 1; i < 3; i++) {  /* mtime, ctime */
+            put64(pe->attr + 24 + 8 * i, (uint64_t)(t / 1000000000));
+            put32(pe->attr + 48 + 4 * i, (uint32_t)(t % 1000000000));
+        }
+    }
+}
+
 /* A CREATE in directory `dino` answered here (1), or left to the daemon (0). Called with the
  * lock, which it lets go during the backing file's creation. */
 static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req, size_t len)
@@ -751,15 +764,7 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
     }
     made[slot] = (struct made){ev.fh, ino, tenant, 0, fd, 1, 1, 0};
     made_creates++;
-    /* Its directory's times changed, to the create's (the daemon's index takes the same at
-     * the harvest): the attributes the thread answers for it follow. */
-    struct entry *pe = find(dino, NULL);
-    if (pe && pe->state == LIVE && !pe->backing_id) {
-        for (int i = 1; i < 3; i++) {  /* mtime, ctime */
-            put64(pe->attr + 24 + 8 * i, (uint64_t)(t / 1000000000));
-            put32(pe->attr + 48 + 4 * i, (uint32_t)(t % 1000000000));
-        }
-    }
+    dir_touched(dino, t);
     /* fuse_entry_out (nodeid, generation, entry_valid, attr_valid, their nsec, fuse_attr),
      * then fuse_open_out: as the daemon answers a create (kvfs.daemon.tree attrs). */
     unsigned char out[ENTRY_OUT + OPEN_OUT];
@@ -938,13 +943,7 @@ static int rename_file(uint64_t unique, uint64_t dino, uint32_t opcode,
         put64(e->attr + 40, (uint64_t)(t / 1000000000));
         put32(e->attr + 56, (uint32_t)(t % 1000000000));
     }
-    struct entry *pe = find(dino, NULL);  /* its directory's times, as at a create */
-    if (pe && pe->state == LIVE && !pe->backing_id) {
-        for (int i = 1; i < 3; i++) {
-            put64(pe->attr + 24 + 8 * i, (uint64_t)(t / 1000000000));
-            put32(pe->attr + 48 + 4 * i, (uint32_t)(t % 1000000000));
-        }
-    }
+    dir_touched(dino, t);
     reply(unique, 0, NULL, 0);
     return 1;
 }

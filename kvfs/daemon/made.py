@@ -37,7 +37,8 @@ import struct
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from .index import ORPHAN_PARENT, ROOT_INODE, Index
+from . import scanner
+from .index import Index
 from .passthrough import PASS_HEADROOM, _passthrough
 from .tree import Tree
 
@@ -88,21 +89,10 @@ def read_journal(path: str) -> list[tuple]:
     return out
 
 
-def _path(index: Index, inode: int) -> bytes | None:
-    """A directory's path in the backing tree, from the index (None: not in the namespace)."""
-    parts = []
-    while inode != ROOT_INODE:
-        node = index.find(inode)
-        if node is None or node.parent == ORPHAN_PARENT:
-            return None
-        parts.append(node.name)
-        inode = node.parent
-    return b"/".join(reversed(parts))
-
-
 def _backing_ino(index: Index, store: BackingStore, parent: int, name: bytes) -> int | None:
     """The inode number of a regular file `name` in directory `parent`'s backing directory."""
-    prel = _path(index, parent)
+    pnode = index.find(parent)
+    prel = scanner.path_of(index, pnode) if pnode is not None else None
     try:
         st = store.lstat(prel + b"/" + name) if prel else None
     except OSError:

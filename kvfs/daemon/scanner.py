@@ -436,16 +436,21 @@ class Reconciler:
             self.index.delete(node.inode)
 
     def path_of(self, node: Node) -> bytes | None:
-        parts = []
-        while node.inode != ROOT_INODE:
-            if node.parent == ORPHAN_PARENT:
-                return None
-            parts.append(node.name)
-            parent = self.index.find(node.parent)
-            if parent is None:
-                return None
-            node = parent
-        return b"/".join(reversed(parts))
+        return path_of(self.index, node)
+
+
+def path_of(index: Index, node: Node) -> bytes | None:
+    """A node's path in the backing tree, from the index (None: not in the namespace)."""
+    parts = []
+    while node.inode != ROOT_INODE:
+        if node.parent == ORPHAN_PARENT:
+            return None
+        parts.append(node.name)
+        parent = index.find(node.parent)
+        if parent is None:
+            return None
+        node = parent
+    return b"/".join(reversed(parts))
 
 
 def reconcile(index: Index, store: BackingStore, *, verify: bool = False,
