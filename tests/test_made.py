@@ -348,6 +348,30 @@ def test_temporaries_renamed_into_place_are_the_threads(mount, ns):
     assert (ns / "page5").read_bytes() == bytes([5]) * 70_000
 
 
+def test_the_directory_times_the_thread_answers_are_the_indexed_ones(mount, ns):
+    """Each create and rename the thread answers moves its directory's mtime and ctime; the
+    daemon keeps the last of them (once a directory per harvest): after a remount, the
+    directory's times are those the mount showed."""
+    r0 = requests(mount)
+    before = os.stat(ns)
+    for i in range(40):
+        time.sleep(0.001)
+        (ns / f"file{i}").write_bytes(b"x" * 100)
+    after_creates = os.stat(ns)
+    time.sleep(0.01)
+    os.replace(ns / "file0", ns / "renamed")
+    shown = os.stat(ns)
+    assert delta(requests(mount), r0, "thread_create") == 40
+    assert delta(requests(mount), r0, "thread_rename") == 1
+    assert before.st_mtime_ns < after_creates.st_mtime_ns < shown.st_mtime_ns
+    assert after_creates.st_ctime_ns < shown.st_ctime_ns
+    mount.stats()  # (the daemon harvests the thread's records)
+    mount.stop()
+    mount.start()
+    again = os.stat(ns)
+    assert (again.st_mtime_ns, again.st_ctime_ns) == (shown.st_mtime_ns, shown.st_ctime_ns)
+
+
 def test_a_killed_daemon_keeps_a_file_renamed_into_place(mount_factory):
     """SIGKILL after the thread created, flushed and renamed a file, before the daemon
     harvested any of it: the next mount finds it at its new name, whole; a temporary still
@@ -366,3 +390,62 @@ def test_a_killed_daemon_keeps_a_file_renamed_into_place(mount_factory):
     assert (d / "a").read_bytes() == b"a" * 200_000
     assert sorted(os.listdir(m.backing / "t" / "ns")) == ["a"]
     assert m.stats()["tenants"]["t"]["ns"]["bytes"] == 200_000
+
+
+def test_a_disk_filled_under_the_threads_files_loses_none(mount_factory):
+    """The backing filesystem (a 96 MiB tmpfs, the index on it too) filled by another writer
+    while files the thread created are open, then closed: every close that succeeded keeps
+    its file, whole, through the mount or, where the index could not take the thread's
+    records, after the next mount (its replay); nothing stray, no traceback. Below
+    INDEX_ROOM free the thread creates nothing (the daemon's creates refuse with ENOSPC)."""
+    m = mount_factory(start=False)
+    fs = m.backing.parent / "fs"
+    fs.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(fs)], check=True)
+    try:
+        m.backing.rmdir() if m.backing.exists() else None
+        m.backing = fs / "backing"
+        m.backing.mkdir()
+        m.start()
+        kvfs("tenant", "add", str(m.mnt), "t", "--uid", "0", "--gid", "0")
+        d = model_dir(m)
+        kept: dict[str, bytes] = {}
+        for round_ in range(3):
+            # (No request to the daemon until the closes: it would harvest and empty the
+            # journal, whose next record then finds no room, and the daemon refuses.)
+            fds = {}
+            for i in range(3):
+                name = f"r{round_}-{i}"
+                fds[name] = os.open(d / name, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.write(fds[name], bytes([65 + i]) * 4096)
+            filler = fs / f"filler{round_}"
+            with open(filler, "wb") as f:  # another writer fills the disk
+                try:
+                    while True:
+                        f.write(b"\0" * (1 << 20))
+                        f.flush()
+                except OSError:
+                    pass
+            for name, fd in fds.items():
+                try:
+                    os.close(fd)
+                except OSError:
+                    continue  # refused at its close (ENOSPC): nothing promised
+                kept[name] = bytes([65 + int(name[-1])]) * 4096
+            m.stats()  # (a request: the daemon harvests the thread's records)
+            filler.unlink()
+        assert kept, "no close succeeded"
+        m.stop()
+        m.start()
+        names = set(os.listdir(d))
+        for name, data in kept.items():
+            assert name in names, f"{name} was closed and is gone\n{m.log_text()[-3000:]}"
+            assert (d / name).read_bytes() == data
+        assert names <= {f"r{r}-{i}" for r in range(3) for i in range(3)}
+        assert set(os.listdir(m.backing / "t" / "ns")) == names  # nothing stray
+        assert "Traceback" not in m.log_text()
+        m.stop()
+    finally:
+        if os.path.ismount(m.mnt):
+            m.stop(check=False)
+        subprocess.run(["umount", "-l", str(fs)], check=False)

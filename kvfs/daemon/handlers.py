@@ -32,7 +32,13 @@ REQUESTS: Counter[str] = Counter()
 _full_said: float | None = None
 
 
-def _say_full(name: str) -> None:
+def is_full(exc: BaseException) -> bool:
+    """Whether `exc` is SQLite's "database or disk is full" (the index's disk)."""
+    return (isinstance(exc, sqlite3.OperationalError)
+            and exc.sqlite_errorcode == sqlite3.SQLITE_FULL)  # type: ignore[attr-defined]
+
+
+def say_full(name: str) -> None:
     """Say that the index's disk is full, at most once a minute (a full disk refuses every
     request that writes, and the log may be on it too)."""
     global _full_said
@@ -66,12 +72,12 @@ def handler(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
                 raise FUSEError(errno.EIO) from None
             raise FUSEError(exc.errno) from None
         except sqlite3.OperationalError as exc:
-            if exc.sqlite_errorcode != sqlite3.SQLITE_FULL:  # type: ignore[attr-defined]
+            if not is_full(exc):
                 log.exception("unexpected error in %s", name)
                 raise FUSEError(errno.EIO) from None
             # The index's disk is full (the backing filesystem, without --capacity): what
             # a full disk answers, nothing changed (the statement's transaction undone).
-            _say_full(name)
+            say_full(name)
             raise FUSEError(errno.ENOSPC) from None
         except Exception:
             log.exception("unexpected error in %s", name)

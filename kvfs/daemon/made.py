@@ -30,6 +30,7 @@ used where room is planned); `by_inode` (inode -> the handle of its creator, whi
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import stat
@@ -67,6 +68,10 @@ GRANT = 256 << 20
 UNLIMITED = 1 << 60
 #: Tenants with a grant at most (the C module's table; beyond, creates are the daemon's).
 MAX_TENANTS = 256
+#: Free bytes of the backing filesystem below which the thread creates no file: its records
+#: must reach the index, which shares that disk; the daemon's own creates are refused there
+#: with ENOSPC, and nothing is recorded that the index cannot take.
+INDEX_ROOM = 64 << 20
 
 
 def journal_path(store: BackingStore) -> str:
@@ -171,8 +176,16 @@ class Made:
         self.tenants: set[int] = set()  # tenants whose directories the thread creates in
         self.on: set[int] = set()  # those with a grant on
         self.by_inode: dict[int, int] = {}
+        # During a harvest: the directories its records changed (-> the last change's time),
+        # and those it looked up.
+        self._touched: dict[int, int] = {}
+        self._parents: dict[int, Any] = {}
         self.leased = 0
         self.creates = self.flushes = self.renames = 0  # harvested
+        # A harvest whose transaction failed (the index's disk full): its records stay in
+        # the journal for the next mount's replay, and the thread creates nothing more.
+        self.halted = False
+        self.unindexed: set[int] = set()  # the files of the records the index did not take
         # Set by the owner (kvfs.daemon.door): a name is created (the miss its lookup
         # counted taken back), a passthrough writer is registered, growth to wake eviction
         # for.
@@ -243,8 +256,9 @@ class Made:
             self._lease()
         tree, res = self.tree, self.tree.residency
         granted = res.granted
+        disk = not self.halted and self._disk_room()
         for t in self.tenants:
-            if not self.room(t):
+            if not disk or not self.room(t):
                 if t in self.on:
                     granted[t] -= _passthrough.grant_off(t)
                     self.on.discard(t)
@@ -270,6 +284,18 @@ class Made:
             add = min(GRANT - res.cap_granted, free)
             if add > 0:
                 res.cap_granted += _passthrough.cap_add(add)
+
+    def _disk_room(self) -> bool:
+        """Whether the backing filesystem has INDEX_ROOM free (said once when it has not)."""
+        try:
+            st = self.tree.store.statvfs()
+        except OSError:
+            return False
+        room = st.f_bavail * st.f_frsize >= INDEX_ROOM
+        if not room and self.on:
+            log.info("the backing filesystem has less than %d MiB free: new files are the "
+                     "daemon's to create until it has more", INDEX_ROOM >> 20)
+        return room
 
     def take_back(self) -> None:
         """What the grants have left comes back (before the daemon plans room itself, so
@@ -297,7 +323,22 @@ class Made:
         got, seq, self.leased = _passthrough.made_harvest()
         if not got:
             return
-        growth = 0
+        self._parents.clear()
+        self._touched.clear()
+        try:
+            growth = self._index(got, seq)
+        except Exception as exc:
+            self._halt(got, exc)
+            return
+        if not self.halted:
+            _passthrough.made_trim(seq)
+        if growth:
+            self.grew(growth)
+        self.refresh()
+
+    def _index(self, got: list[tuple], seq: int) -> int:
+        """One transaction for the harvest's records; the growth they flushed."""
+        index, growth = self.tree.index, 0
         with index.transaction():
             for ev in got:
                 try:
@@ -312,21 +353,43 @@ class Made:
                 except Exception:  # one record must not cost the others theirs
                     log.exception("the request thread's %s of inode %d could not be taken",
                                   KINDS.get(ev[0], "record"), ev[3])
-            index.set_meta(META_SEQ, str(seq))
-        _passthrough.made_trim(seq)
-        if growth:
-            self.grew(growth)
-        self.refresh()
+            for parent, now in self._touched.items():  # once a directory, at its last change
+                self.tree.dir_changed(parent, now=now)
+            if not self.halted:  # (else the journal keeps every record from the failed one on)
+                index.set_meta(META_SEQ, str(seq))
+        return growth
+
+    def _halt(self, got: list[tuple], exc: Exception) -> None:
+        """The index could not take a harvest (its transaction failed, a full disk the
+        likely cause), and the daemon's state holds what the records did while the index
+        does not: the thread creates no more files on this mount, and the journal keeps
+        every record from these on (neither `made_seq` nor the journal move again), so that
+        the next mount's replay indexes what they created. What the daemon would do to
+        those files now goes unrecorded, so it refuses it (`own`: ENOSPC): a close that the
+        thread's flush did not record fails, and the replay removes that file as half
+        written."""
+        self.unindexed.update(ev[3] for ev in got if ev[0] == EV_CREATE)
+        if not self.halted:
+            self.halted = True
+            granted = self.tree.residency.granted
+            for t in list(self.on):
+                granted[t] -= _passthrough.grant_off(t)
+                self.on.discard(t)
+        log.error("the index could not take %d of the request thread's records (%s): the "
+                  "files they name are indexed at the next mount (the journal keeps them); "
+                  "until then new files are the daemon's to create", len(got), exc)
 
     def _created(self, fh: int, ino: int, parent: int, name: bytes, mode: int, uid: int,
                  gid: int, pid: int, fd: int, backing_id: int, time_ns: int) -> None:
         tree = self.tree
-        pnode = tree.index.get(parent)
+        pnode = self._parents.get(parent)
+        if pnode is None:
+            pnode = self._parents[parent] = tree.index.get(parent)
         tenant, ns = tree.child_place(pnode, stat.S_IFREG)
         node = tree.index.insert(parent=parent, name=name, mode=mode, uid=uid, gid=gid,
                                  tenant=tenant, ns=ns, writing=1, inode=ino, atime_ns=time_ns,
                                  mtime_ns=time_ns)
-        tree.dir_changed(parent, now=max(time_ns, pnode.mtime_ns))  # (as the thread answers)
+        self._touch(parent, max(time_ns, pnode.mtime_ns))  # (as the thread answers)
         self.creating(pnode, name)
         tree.stats.account(tree.key(node), 1, 0)
         tree.residency.add_file(node)
@@ -339,6 +402,11 @@ class Made:
         self.passed(node, self.files.handles[fh])
         self.by_inode[ino] = fh
         self.creates += 1
+
+    def _touch(self, parent: int, time_ns: int) -> None:
+        """Directory `parent` changed at `time_ns`: its times are moved once for the whole
+        harvest (`Tree.dir_changed`), to the last of its changes."""
+        self._touched[parent] = max(time_ns, self._touched.get(parent, 0))
 
     def _flushed(self, fh: int, size: int, mtime_ns: int, growth: int) -> int:
         """A flush the thread answered, settled as the daemon settles one (kvfs.daemon.door
@@ -384,7 +452,7 @@ class Made:
         held = tree.passthrough.hold(node.inode)  # delegated, it stays so (as at fs.rename)
         tree.index.move(node.inode, parent, new)
         tree.index.update(node.inode, ctime_ns=max(time_ns, node.ctime_ns))  # (as answered)
-        tree.dir_changed(parent, now=time_ns)
+        self._touch(parent, time_ns)
         node = tree.index.get(node.inode)
         if held:
             self.delegate(node)
@@ -407,6 +475,8 @@ class Made:
         if fh is not None:
             _passthrough.made_drop(fh, True)
             self.harvest()
+        if inode in self.unindexed:
+            raise OSError(errno.ENOSPC, "the index could not take this file (its disk full)")
 
     def released(self, fh: int, inode: int) -> None:
         """The creator's handle is released: out of the thread's table before its fd is

@@ -14,6 +14,7 @@ import logging
 import os
 import resource
 import signal
+import sqlite3
 from dataclasses import dataclass
 
 import pyfuse3
@@ -385,7 +386,11 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         for of_inode in list(ops.open_files):
             ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
         ops.flush_atimes()
-        index.set_meta("clean", "1" if not ops.open_files else "0")
+        try:
+            index.set_meta("clean", "1" if not ops.open_files else "0")
+        except sqlite3.Error as exc:  # (a full disk): the next mount checks the index whole
+            log.warning("the index could not be marked clean (%s): the next mount checks it "
+                        "against the backing directory", exc)
         index.close()
         if tiering is not None:
             tiering.close()

@@ -19,6 +19,7 @@ import trio
 from pyfuse3 import FUSEError
 
 from .adoption import Adoption
+from .handlers import is_full, say_full
 from .index import ORPHAN_PARENT, Node
 from .residency import NoRoom
 from .tree import Tree
@@ -94,8 +95,11 @@ class Reclaim:
                 log.exception("writing access times failed")
             try:
                 await self.tree.io(self.index.checkpoint)
-            except Exception:
-                log.exception("checkpointing the index failed")
+            except Exception as exc:
+                if is_full(exc):  # (again a second later: a full disk is said once a minute)
+                    say_full("checkpointing the index")
+                else:
+                    log.exception("checkpointing the index failed")
 
     async def _retention_loop(self) -> None:
         while True:
