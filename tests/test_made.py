@@ -435,6 +435,9 @@ def test_a_disk_filled_under_the_threads_files_loses_none(mount_factory):
             m.stats()  # (a request: the daemon harvests the thread's records)
             filler.unlink()
         assert kept, "no close succeeded"
+        if "could not take" in m.log_text():  # (the index's transaction failed: halted)
+            assert "halted: the index could not take" in kvfs("status", str(m.mnt)).stdout
+            assert m.stats()["passthrough"]["thread_creates"] is False
         m.stop()
         m.start()
         names = set(os.listdir(d))

@@ -49,7 +49,9 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
             lines.append(f"request thread: {pt['delegated']} files it opens itself, "
                          f"{pt.get('directories', 0)} directories whose misses it answers, "
                          f"{reqs.get('thread_create', 0)} files it created "
-                         f"({'on' if pt.get('thread_creates') else 'off'}), "
+                         f"({'on' if pt.get('thread_creates') else 'off'}"
+                         + (f", halted: {pt['thread_creates_halted']}"
+                            if pt.get("thread_creates_halted") else "") + "), "
                          f"{answered} requests answered, {pt['forwarded']} passed on")
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:

@@ -39,6 +39,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from . import scanner
+from .handlers import is_full
 from .index import Index
 from .passthrough import PASS_HEADROOM, _passthrough
 from .tree import Tree
@@ -371,13 +372,18 @@ class Made:
         self.unindexed.update(ev[3] for ev in got if ev[0] == EV_CREATE)
         if not self.halted:
             self.halted = True
+            self.tree.passthrough.creates_on = False
+            self.tree.passthrough.creates_halted = (
+                f"the index could not take its records ({exc}): the next mount indexes "
+                f"the files they name")
             granted = self.tree.residency.granted
             for t in list(self.on):
                 granted[t] -= _passthrough.grant_off(t)
                 self.on.discard(t)
         log.error("the index could not take %d of the request thread's records (%s): the "
                   "files they name are indexed at the next mount (the journal keeps them); "
-                  "until then new files are the daemon's to create", len(got), exc)
+                  "until then new files are the daemon's to create", len(got), exc,
+                  exc_info=not is_full(exc))  # (a full disk is no bug: no traceback)
 
     def _created(self, fh: int, ino: int, parent: int, name: bytes, mode: int, uid: int,
                  gid: int, pid: int, fd: int, backing_id: int, time_ns: int) -> None:

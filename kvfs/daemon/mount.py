@@ -383,10 +383,10 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
             ops.tree.collect_opens()  # the request thread's last opens: their access times
             passthrough.unhook()
         watchdog.clean_stop(watch_fd)
-        for of_inode in list(ops.open_files):
-            ops._persist(of_inode)  # noqa: SLF001 - files still open when the kernel went away
-        ops.flush_atimes()
         try:
+            for of_inode in list(ops.open_files):
+                ops._persist(of_inode)  # noqa: SLF001 - files open when the kernel went away
+            ops.flush_atimes()
             index.set_meta("clean", "1" if not ops.open_files else "0")
         except sqlite3.Error as exc:  # (a full disk): the next mount checks the index whole
             log.warning("the index could not be marked clean (%s): the next mount checks it "

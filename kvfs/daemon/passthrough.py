@@ -149,6 +149,7 @@ class Passthrough:
     dirs: OrderedDict[int, Any] = field(default_factory=OrderedDict)
     max_dirs: int = MAX_DIRS  # (fewer where the open-file limit is low: `hook`)
     creates_on: bool = False  # the thread creates files (kvfs.daemon.made, once started)
+    creates_halted: str = ""  # why it stopped creating on this mount (kvfs.daemon.made)
     unharvested_misses: list[tuple[Any, int]] = field(default_factory=list)
 
     @property
@@ -435,7 +436,7 @@ class Passthrough:
                 "replies_patched": st.get("opens_patched", 0),
                 "replies_missed": st.get("opens_missed", 0),
                 "request_thread": bool(st.get("routed")), "delegated": len(self.delegated),
-                "thread_creates": self.creates_on,
+                "thread_creates": self.creates_on, "thread_creates_halted": self.creates_halted,
                 "directories": len(self.dirs), "forwarded": st.get("forwarded", 0)}
 
     def thread_requests(self) -> dict[str, int]:
