@@ -403,7 +403,8 @@ def test_a_disk_filled_under_the_threads_files_loses_none(mount_factory):
     fs.mkdir(parents=True)
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(fs)], check=True)
     try:
-        m.backing.rmdir() if m.backing.exists() else None
+        if m.backing.exists():
+            m.backing.rmdir()
         m.backing = fs / "backing"
         m.backing.mkdir()
         m.start()
