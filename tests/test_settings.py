@@ -25,6 +25,7 @@ OTHER = {
     "metrics": "127.0.0.1:9464", "audit": "/var/log/a b.jsonl", "log": "/var/log/d.log",
     "io_threads": 5, "writeback_cache": True, "passthrough": False, "keep_cache": False,
     "thread_creates": False,
+    "wake_here": "keep",
     "debug": True, "encrypt": False, "hot_encrypt": True, "key_file": "/srv/kek",
     "key_command": "vault-kek --x", "key_ttl": 5.0,
 }

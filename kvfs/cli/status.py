@@ -53,6 +53,13 @@ def status_lines(stats: dict[str, Any]) -> list[str]:
                          + (f", halted: {pt['thread_creates_halted']}"
                             if pt.get("thread_creates_halted") else "") + "), "
                          f"{answered} requests answered, {pt['forwarded']} passed on")
+    wake = stats.get("fuse_wake") or {}
+    if wake.get("wake_here") is not None:
+        lines.append("FUSE wake-ups: " + (
+            "on the caller's CPU" if wake["wake_here"] == "on" else
+            "on another CPU (each request the daemon answers waits for it to wake: "
+            "`kvfs mount --wake-here on`)") + f" (fuse.wake_here {wake['wake_here']}: "
+            f"{wake['mount']})")
     left = stats.get("indexing", {}).get("directories_left", 0)
     if left:
         lines.append(f"indexing the backing tree: {stats['indexing']['entries_indexed']} "

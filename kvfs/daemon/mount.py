@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from . import keys, made, scanner, watchdog
+from . import keys, made, scanner, wakeup, watchdog
 from .audit import Audit
 from .fs import MountInfo, Operations
 from .index import Index
@@ -73,6 +73,7 @@ class MountOptions:
     keep_cache: bool = DEFAULTS["keep_cache"]
     passthrough: bool = DEFAULTS["passthrough"]
     thread_creates: bool = DEFAULTS["thread_creates"]
+    wake_here: str = DEFAULTS["wake_here"]
     encrypt: bool = DEFAULTS["encrypt"]
     hot_encrypt: bool = DEFAULTS["hot_encrypt"]
     key_file: str = DEFAULTS["key_file"]
@@ -333,6 +334,7 @@ def run(opts: MountOptions, ready: callable | None = None) -> int:  # type: igno
         index.close()
         raise MountError(f"cannot mount {mountpoint}: {exc}") from None
     log.info("mounted %s over %s (capacity %s)", mountpoint, opts.backing, opts.capacity)
+    info.wake = wakeup.apply(opts.wake_here)  # the host's FUSE wake-ups (kvfs.daemon.wakeup)
     passthrough = ops.tree.passthrough
     passthrough.hook(os.fsdecode(store.root), writeback_cache=opts.writeback_cache,
                      miss_window=MISS_WINDOW, fd_limit=fd_limit)

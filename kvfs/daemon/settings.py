@@ -211,6 +211,11 @@ SETTINGS: tuple[Setting, ...] = (
             "into place, within byte grants the daemon reserves against quotas and the "
             "capacity; journaled (`--no-thread-creates`: the daemon answers every create, "
             "flush, release and rename; docs/architecture.md, \"The mount door\")"),
+    Setting("wake_here", "str", "on", "which CPU the kernel wakes the daemon on for a FUSE "
+            "request, where the host's `fuse` module has a `wake_here` parameter: `on` (the "
+            "caller's: round trips several times shorter on a VM; host-wide, kept after "
+            "unmount), `off`, or `keep` (as the host has it; docs/operations.md)",
+            choices=("on", "off", "keep")),
     Setting("keep_cache", "bool", True, "files the daemon serves (passthrough off or "
             "refused): readers keep the kernel's page cache of a file nobody has open for "
             "writing (`--no-keep-cache`: dropped at each open)"),

@@ -15,6 +15,7 @@ from typing import Any
 
 from .. import __version__
 from ..format import codec
+from . import wakeup
 from .adoption import Adoption
 from .handlers import REQUESTS
 from .tree import Tree
@@ -54,6 +55,9 @@ def snapshot(tree: Tree, adoption: Adoption, tenants: set[int] | None = None
         # FUSE requests served, by kind (kvfs.daemon.handlers), and those the request thread
         # answered without the daemon's loop (`thread_<kind>`, kvfs.daemon.passthrough).
         "requests": {**REQUESTS, **tree.passthrough.thread_requests()},
+        # The CPU the kernel wakes the daemon on for a request, and what this mount did about
+        # it (kvfs.daemon.wakeup).
+        "fuse_wake": wakeup.snapshot(info.wake),
         # A tree adopted at its first mount until every directory is indexed: usage and
         # eviction see only what is indexed so far.
         "indexing": {"directories_left": len(adoption.unlisted),

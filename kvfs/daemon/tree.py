@@ -133,6 +133,8 @@ class MountInfo:
     hot_codec: str = DEFAULTS["hot_codec"]
     #: Clients seal the blocks they save in the hot tier (kvfs.format.seal).
     hot_encrypt: bool = DEFAULTS["hot_encrypt"]
+    #: What the mount did with the host's fuse.wake_here (kvfs.daemon.wakeup.apply).
+    wake: str = ""
     pid: int = field(default_factory=os.getpid)
     started: float = field(default_factory=time.time)
 
