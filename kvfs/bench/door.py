@@ -376,7 +376,8 @@ def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: lis
                 if args.round_trips else {})
         rt = {k: min(first[k], last[k]) for k in last}
         copies.append(copy_us(patterns))
-        passthrough = side.mount.stats().get("passthrough") or {}
+        stats = side.mount.stats()
+        passthrough = stats.get("passthrough") or {}
         broken = side.mount.tracebacks() > 0
     finally:
         if peer_side is not None:
@@ -384,6 +385,8 @@ def run_variant(args: Any, work: str, name: str, extra: list[str], patterns: lis
         side.mount.stop(check=False)
     return {"mount_args": extra, "patterns": summarise(results, args), "round_trip_us": rt,
             "passthrough": {k: passthrough.get(k) for k in ("state", "reason")},
+            # The host's FUSE wake-ups during the run (kvfs.daemon.wakeup): a condition.
+            "fuse_wake": stats.get("fuse_wake"),
             "copy_us": {p: min(c[p] for c in copies) for p in patterns},
             "daemon_tracebacks": broken}
 

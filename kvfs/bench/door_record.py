@@ -54,6 +54,12 @@ def floor(s: dict[str, Any], what: str, rt_us: float, one_copy_us: float,
             "by_thread": round(by_thread, 2), "copies": round(copies, 2)}
 
 
+def _wake_note(v: dict[str, Any]) -> dict[str, str]:
+    """The host's FUSE wake-ups in the run (kvfs.daemon.wakeup), where the record says."""
+    wake = v.get("fuse_wake") or {}
+    return {"note": f"fuse.wake_here {wake['wake_here']}"} if wake.get("wake_here") else {}
+
+
 def _with_floor(row: dict[str, Any], s: dict[str, Any], what: str, v: dict[str, Any],
                 p: str, creates: bool = False) -> dict[str, Any]:
     """`row` with its floor (see the module's text): `floor` (the best ratio at this round
@@ -142,7 +148,8 @@ def figure_rows(variants: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
             rows.append({"figure": f"{tag}request thread's round trip (getxattr outside user.)",
                          "unit": "us", "kvfs": round(rt["thread"], 1),
                          "baseline": round(rt["mount"], 1), "baseline_name": "the daemon's",
-                         "ratio": round(rt["thread"] / rt["mount"], 2)})
+                         "ratio": round(rt["thread"] / rt["mount"], 2),
+                         **_wake_note(v)})
         if rt.get("thread_open"):
             rows.append({"figure": f"{tag}open+close the request thread answers", "unit": "us",
                          "kvfs": round(rt["thread_open"], 1),
