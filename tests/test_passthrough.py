@@ -149,6 +149,52 @@ def test_no_byte_crosses_the_daemon(mount, ns):
     assert pt["replies_missed"] == 0 and opens >= 5 and pt["open_files"] == 0
 
 
+def _xattr_asks(m) -> int:
+    r = requests(m)
+    return r.get("getxattr", 0) + r.get("thread_getxattr", 0)
+
+
+def test_writes_in_small_calls_ask_the_daemon_nothing(mount, ns):
+    """The kernel asks `security.capability` before a write(2) may keep a file's privileges;
+    with FUSE_HANDLE_KILLPRIV_V2 in the INIT reply (kvfs keeps no set-user/group-ID bits on
+    files and no xattr outside `user.`) it asks once per inode, not before every write: a
+    file written in 200 calls of 4 KiB, then truncated and written again, costs at most two
+    GETXATTR requests (without the flag: 400), and its bytes are whole."""
+    passthrough_on(mount)
+    before = _xattr_asks(mount)
+    chunk = os.urandom(4096)
+    for name, flags in (("new", os.O_CREAT | os.O_EXCL), ("new", os.O_TRUNC)):
+        fd = os.open(ns / name, os.O_WRONLY | flags, 0o644)
+        try:
+            for _ in range(200):
+                assert os.write(fd, chunk) == 4096
+        finally:
+            os.close(fd)
+    assert (ns / "new").read_bytes() == chunk * 200
+    assert _xattr_asks(mount) - before <= 2, requests(mount)
+
+
+def test_files_keep_no_set_user_or_group_id(mount_factory):
+    """Set-user-ID and set-group-ID are dropped from a file's mode, created or changed,
+    through the daemon and through the request thread, in the mount and in the backing
+    file; a directory keeps set-group-ID (its new entries take its group)."""
+    for extra in ([], ["--no-thread-creates"]):
+        m = mount_factory(f"m{len(extra)}", extra)
+        d = m.mnt / "t" / "ns"
+        d.mkdir(parents=True)
+        assert not (d / "missing").exists()  # (hands the directory to the request thread)
+        os.close(os.open(d / "made", os.O_CREAT | os.O_WRONLY, 0o6755))
+        (d / "changed").write_bytes(b"x")
+        os.chmod(d / "changed", 0o6777)
+        for name in ("made", "changed"):
+            assert os.stat(d / name).st_mode & 0o7777 in (0o755, 0o777), name
+            backing = os.stat(m.backing / "t" / "ns" / name).st_mode
+            assert not backing & 0o6000, (name, oct(backing))
+        os.chmod(d, 0o2755)
+        assert os.stat(d).st_mode & 0o7777 == 0o2755
+        m.stop()
+
+
 def test_rewrite_truncate_and_sparse(mount, ns):
     passthrough_on(mount)
     f = ns / "f"

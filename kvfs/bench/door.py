@@ -12,7 +12,10 @@ both sides, the two sides alternating within each repeat so that both see the sa
 - **sglang**: SGLang's HiCacheFile: one file per page, `exists()` before each set, a
   temporary renamed into place; get: `open` + `readinto`;
 - **lmcache**: LMCache's LocalDiskBackend: written in place at the final name, read with
-  `readinto`; **lmcache-direct**: the same with `use_odirect`.
+  `readinto`; **lmcache-direct**: the same with `use_odirect`;
+- **file-2m**, **file-32m**, **file-256m**: whole files, each written and read in one call;
+  **file-chunked**: 32 MiB files written and read in calls of 128 KiB, as `cp`, `cat` and
+  `dd` move them.
 
 For each: the time of the writes (for small files: per create+write+close; each side's
 writes start after a `sync`, so that none meets the write-back of what was written before
@@ -83,7 +86,7 @@ from typing import Any
 
 from . import door_peer
 from .common import add_output_args, finish
-from .door_io import aligned, direct_ok, read_files, write_files
+from .door_io import CHUNK, aligned, direct_ok, read_files, write_files
 from .door_record import draw, figure_rows, table
 from .harness import (
     Mount,
@@ -102,7 +105,7 @@ MiB = 1 << 20
 PATTERNS: dict[str, tuple[int, int]] = {
     "small": (128 << 10, 2000), "file-2m": (2 * MiB, 64), "file-32m": (32 * MiB, 4),
     "file-256m": (256 * MiB, 1), "vllm": (2 * MiB, 64), "sglang": (2 * MiB, 64),
-    "lmcache": (4 * MiB, 32), "lmcache-direct": (4 * MiB, 32),
+    "lmcache": (4 * MiB, 32), "lmcache-direct": (4 * MiB, 32), "file-chunked": (32 * MiB, 4),
 }
 
 
@@ -231,6 +234,7 @@ def run_pattern(pattern: str, sides: dict[str, tuple[str, Any]], count: int,
     buf = aligned(size)
     names = [f"{pattern}-{i:05d}.bin" for i in range(count)]
     direct = pattern in ("vllm", "lmcache-direct")
+    chunk = CHUNK if pattern == "file-chunked" else 0
     out: dict[str, dict[str, Any]] = {}
     for side, (root, mount) in sides.items():
         if side == "peer" and direct:
@@ -242,10 +246,11 @@ def run_pattern(pattern: str, sides: dict[str, tuple[str, Any]], count: int,
         os.sync()  # every side's writes start with nothing dirty (see the module's text)
         _phase(res, mount, "write",
                lambda d=d, o=use_direct: write_files(pattern, d, names, buf, o))
-        _phase(res, mount, "warm", lambda d=d, o=use_direct: read_files(d, names, buf, o))
+        _phase(res, mount, "warm", lambda d=d, o=use_direct: read_files(d, names, buf, o, chunk))
         if cold:
             drop_caches(3, daemon_pid=mount.pid if mount is not None else None)
-            _phase(res, mount, "cold", lambda d=d, o=use_direct: read_files(d, names, buf, o))
+            _phase(res, mount, "cold",
+                   lambda d=d, o=use_direct: read_files(d, names, buf, o, chunk))
         out[side] = res
     if pattern != "small":  # (thousands of files: kept to the end, see the module's note)
         for side in out:

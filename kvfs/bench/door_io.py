@@ -10,6 +10,8 @@ import threading
 import uuid
 
 MiB = 1 << 20
+#: The calls of the `file-chunked` pattern: as cp, cat and dd move a file (128 KiB).
+CHUNK = 128 << 10
 
 
 def aligned(size: int) -> mmap.mmap:
@@ -48,6 +50,11 @@ def write_files(pattern: str, directory: str, names: list[str], buf: mmap.mmap,
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             _write_all(fd, view)
             os.close(fd)
+        elif pattern == "file-chunked":
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            for at in range(0, len(view), CHUNK):
+                _write_all(fd, view[at:at + CHUNK])
+            os.close(fd)
         elif pattern in ("vllm", "sglang"):
             if os.path.exists(path):
                 continue
@@ -67,16 +74,19 @@ def write_files(pattern: str, directory: str, names: list[str], buf: mmap.mmap,
             os.close(fd)
 
 
-def read_files(directory: str, names: list[str], buf: mmap.mmap, direct: bool) -> None:
-    """Read every file whole into `buf` (readinto / readv; O_DIRECT when `direct`)."""
+def read_files(directory: str, names: list[str], buf: mmap.mmap, direct: bool,
+               chunk: int = 0) -> None:
+    """Read every file whole into `buf` (readinto / readv; O_DIRECT when `direct`), in calls
+    of at most `chunk` bytes where given."""
     view = memoryview(buf)
     size = len(buf)
+    step = chunk or size
     flags = os.O_RDONLY | (os.O_DIRECT if direct else 0)
     for name in names:
         fd = os.open(os.path.join(directory, name), flags)
         got = 0
         while got < size:
-            n = os.readv(fd, [view[got:]])
+            n = os.readv(fd, [view[got:got + step]])
             if n == 0:
                 os.close(fd)
                 raise RuntimeError(f"{name}: short file ({got} of {size} bytes)")

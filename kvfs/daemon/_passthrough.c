@@ -5,7 +5,9 @@
  *    hand the kernel an open backing file, after which the kernel does that file's reads,
  *    writes and mmap itself: no byte crosses /dev/fuse. It takes
  *      - the INIT reply's FUSE_PASSTHROUGH flag (bit 5 of flags2, which needs FUSE_INIT_EXT)
- *        and max_stack_depth (a u32 at byte 36 of fuse_init_out);
+ *        and max_stack_depth (a u32 at byte 36 of fuse_init_out); and its
+ *        FUSE_HANDLE_KILLPRIV_V2 flag, which libfuse 3.14 does not ask for either (without
+ *        it the kernel asks GETXATTR security.capability before every write(2));
  *      - an OPEN or CREATE reply's FOPEN_PASSTHROUGH flag and backing id (fuse_open_out's
  *        open_flags and the i32 after them, which libfuse sends as zero padding), and the
  *        FOPEN_NOFLUSH flag (no FLUSH request at each close of a read-only open, which has
@@ -86,6 +88,11 @@
 #define INIT_FLAGS2_OFF 32
 #define INIT_STACK_OFF 36
 #define FUSE_WRITEBACK_CACHE (1u << 16)
+/* The daemon clears set-user-ID, set-group-ID and security.capability where a write, truncate
+ * or chown must (kvfs keeps none on files: kvfs.daemon.tree FILE_SXID, and no xattr outside
+ * user.); the kernel then marks the superblock SB_NOSEC and asks GETXATTR security.capability
+ * once per inode instead of before every write(2). */
+#define FUSE_HANDLE_KILLPRIV_V2 (1u << 28)
 #define FUSE_INIT_EXT (1u << 30)
 #define FUSE_PASSTHROUGH_HI (1u << 5) /* bit 37 of the 64-bit flags */
 #define ENTRY_OUT 128           /* struct fuse_entry_out */
@@ -171,6 +178,8 @@ static void patch_init(unsigned char *buf, size_t len)
         uint32_t flags = get32(out + INIT_FLAGS_OFF);
         init_flags = flags;
         init_minor = get32(out + 4);
+        flags |= FUSE_HANDLE_KILLPRIV_V2;
+        put32(out + INIT_FLAGS_OFF, flags);
         if (!(flags & FUSE_WRITEBACK_CACHE)) {
             put32(out + INIT_FLAGS_OFF, flags | FUSE_INIT_EXT);
             put32(out + INIT_FLAGS2_OFF, get32(out + INIT_FLAGS2_OFF) | FUSE_PASSTHROUGH_HI);
@@ -703,7 +712,7 @@ static int create_file(uint64_t unique, uint64_t dino, const unsigned char *req,
     if (!g || g->left < 0 || ino_next >= ino_end || n_events >= MAX_EVENTS || !made_free_n)
         return 0;
     uint32_t uid = get32(req + 24), gid = get32(req + 28), pid = get32(req + 32);
-    uint32_t perm = mode & 07777 & ~umask_;
+    uint32_t perm = mode & 01777 & ~umask_;  /* no set-user/group-ID (kvfs.daemon.tree FILE_SXID) */
     uint64_t ino = ino_next++, tenant = d->tenant;  /* a number lost if this fails: never reused */
     int slot = made_free[--made_free_n];
     /* As the daemon opens a backing file for writing (kvfs.daemon.openfiles backing_flags):

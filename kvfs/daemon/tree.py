@@ -110,6 +110,13 @@ async def in_thread(fn: Callable[[], T]) -> T:
 ENTRY_TIMEOUT = 10.0
 BLKSIZE = 128 * 1024  # st_blksize: the size of one FUSE read request
 NAME_MAX = 255
+#: The mode bits a regular file in kvfs never has: set-user-ID and set-group-ID. The kernel
+#: leaves clearing them on a write, truncate or chown to the daemon (the INIT reply's
+#: FUSE_HANDLE_KILLPRIV_V2, kvfs.daemon._passthrough), and a passthrough write never reaches
+#: the daemon; with none to clear, a write asks nothing (docs/architecture.md, "The mount
+#: door"). Dropped where a file is created or changes mode, and from the modes of files found
+#: in the backing tree.
+FILE_SXID = stat.S_ISUID | stat.S_ISGID
 
 T = TypeVar("T")
 
@@ -169,8 +176,9 @@ def attr_changes(node: Node, attr: pyfuse3.EntryAttributes, fields: pyfuse3.Seta
     """setattr's mode, owner and times: into `changes` (for the index) and `kwargs` (for
     BackingStore.setattr)."""
     if fields.update_mode:
-        changes["mode"] = stat.S_IFMT(node.mode) | stat.S_IMODE(attr.st_mode)
-        kwargs["mode"] = stat.S_IMODE(attr.st_mode)
+        mode = stat.S_IMODE(attr.st_mode) & (~0 if node.is_dir else ~FILE_SXID)
+        changes["mode"] = stat.S_IFMT(node.mode) | mode
+        kwargs["mode"] = mode
     if fields.update_uid:
         changes["uid"] = kwargs["uid"] = attr.st_uid
     if fields.update_gid:
@@ -333,7 +341,7 @@ class Tree:
         a.generation = 0
         a.entry_timeout = ENTRY_TIMEOUT
         a.attr_timeout = ENTRY_TIMEOUT
-        a.st_mode = node.mode
+        a.st_mode = node.mode if node.is_dir else node.mode & ~FILE_SXID
         if node.parent == ORPHAN_PARENT:
             a.st_nlink = 0  # unlinked, still open (or still known to the kernel)
         elif node.is_dir:
