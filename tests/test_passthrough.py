@@ -174,6 +174,23 @@ def test_writes_in_small_calls_ask_the_daemon_nothing(mount, ns):
     assert _xattr_asks(mount) - before <= 2, requests(mount)
 
 
+@pytest.mark.parametrize("off", ["--no-passthrough", "--writeback-cache"])
+def test_without_passthrough_a_write_asks_no_xattr_either(mount_factory, off):
+    """The daemon's own path takes the INIT reply's killpriv flag too: its writes cost their
+    WRITE requests (or, with the write-back cache, fewer), and no GETXATTR before each."""
+    m = mount_factory(extra=[off])
+    assert m.stats()["passthrough"]["state"] == "off"
+    d = m.mnt / "t" / "ns"
+    d.mkdir(parents=True)
+    before = _xattr_asks(m)
+    chunk = os.urandom(4096)
+    with open(d / "f", "wb", buffering=0) as f:
+        for _ in range(100):
+            f.write(chunk)
+    assert (d / "f").read_bytes() == chunk * 100
+    assert _xattr_asks(m) - before <= 1, requests(m)
+
+
 def test_files_keep_no_set_user_or_group_id(mount_factory):
     """Set-user-ID and set-group-ID are dropped from a file's mode, created or changed,
     through the daemon and through the request thread, in the mount and in the backing

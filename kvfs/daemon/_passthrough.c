@@ -169,10 +169,12 @@ static int patch_open(unsigned char *buf, size_t len)
     return 1;
 }
 
-/* The INIT reply: offer passthrough unless the write-back cache was negotiated (the kernel
+/* The INIT reply: take FUSE_HANDLE_KILLPRIV_V2; offer passthrough (hooked with a stack depth
+ * of 1 or 2) unless the write-back cache was negotiated (the kernel
  * turns passthrough off then anyway). */
-static void patch_init(unsigned char *buf, size_t len)
+static int patch_init(unsigned char *buf, size_t len)
 {
+    int patched = 0;
     if (len == OUT_HEADER + INIT_OUT && get32(buf + OUT_HEADER) == 7) {
         unsigned char *out = buf + OUT_HEADER;
         uint32_t flags = get32(out + INIT_FLAGS_OFF);
@@ -180,7 +182,8 @@ static void patch_init(unsigned char *buf, size_t len)
         init_minor = get32(out + 4);
         flags |= FUSE_HANDLE_KILLPRIV_V2;
         put32(out + INIT_FLAGS_OFF, flags);
-        if (!(flags & FUSE_WRITEBACK_CACHE)) {
+        patched = 1;
+        if (stack_depth && !(flags & FUSE_WRITEBACK_CACHE)) {
             put32(out + INIT_FLAGS_OFF, flags | FUSE_INIT_EXT);
             put32(out + INIT_FLAGS2_OFF, get32(out + INIT_FLAGS2_OFF) | FUSE_PASSTHROUGH_HI);
             put32(out + INIT_STACK_OFF, stack_depth);
@@ -188,6 +191,7 @@ static void patch_init(unsigned char *buf, size_t len)
         }
     }
     __atomic_store_n(&init_seen, 1, __ATOMIC_RELEASE);
+    return patched;
 }
 
 static ssize_t reply_writev(int fd, const struct iovec *iov, int count)
@@ -213,8 +217,7 @@ static ssize_t reply_writev(int fd, const struct iovec *iov, int count)
     if (init_armed) {
         init_armed = 0;
         if (fits) {
-            patch_init(buf, len);
-            patched = init_offered;
+            patched = patch_init(buf, len);
         } else {
             __atomic_store_n(&init_seen, 1, __ATOMIC_RELEASE);
         }
@@ -1263,8 +1266,9 @@ static PyObject *py_hook(PyObject *self, PyObject *args)
     double window = 60.0;
     if (!PyArg_ParseTuple(args, "iI|pnd", &fd, &depth, &route, &slots, &window))
         return NULL;
-    if (depth < 1 || depth > 2) {
-        PyErr_SetString(PyExc_ValueError, "max_stack_depth must be 1 or 2");
+    if (depth > 2 || (depth == 0 && route)) {
+        PyErr_SetString(PyExc_ValueError, "max_stack_depth must be 1 or 2 (0: no passthrough "
+                        "offered, the INIT reply's FUSE_HANDLE_KILLPRIV_V2 alone, no route)");
         return NULL;
     }
     if (slots < 64 || (slots & (slots - 1))) {
@@ -1882,7 +1886,8 @@ static PyMethodDef methods[] = {
     {"hook", py_hook, METH_VARARGS,
      "hook(fuse_fd, max_stack_depth, route=False, slots=32768, miss_window=60.0) -> device "
      "fd: route libfuse's "
-     "replies on fuse_fd through kvfs (the next reply, INIT, offers passthrough); with route, "
+     "replies on fuse_fd through kvfs (the next reply, INIT, offers passthrough, or with a "
+     "max_stack_depth of 0 only takes FUSE_HANDLE_KILLPRIV_V2); with route, "
      "a request thread reads the device and answers what it can (see the C source)"},
     {"unhook", py_unhook, METH_NOARGS,
      "unhook(): stop the request thread, give libfuse its own writev and read back"},

@@ -132,6 +132,8 @@ class Passthrough:
     # "starting" waits for it, so that no inode starts on the daemon's path by accident.
     ready: trio.Event = field(default_factory=trio.Event)
     routed: bool = False  # the request thread runs (`hook`)
+    # Without passthrough: libfuse's replies hooked for the INIT reply's killpriv flag alone.
+    init_only: bool = False
     # The kernel's lookup counts (Tree.lookups): the LOOKUPs the thread answered are added.
     kernel_lookups: dict[int, int] = field(default_factory=dict)
     # Inodes whose read-only opens the request thread answers: (stats key, size), oldest
@@ -158,13 +160,16 @@ class Passthrough:
 
     def hook(self, backing: str, *, writeback_cache: bool, miss_window: float = 60.0,
              fd_limit: int = 1024) -> None:
-        """After pyfuse3.init, before the session runs: have the INIT reply offer passthrough."""
+        """After pyfuse3.init, before the session runs: have the INIT reply offer passthrough
+        (and, with or without it, take FUSE_HANDLE_KILLPRIV_V2: kvfs.daemon._passthrough)."""
         if not self.wanted:
+            self.hook_init()
             return
         # Directories' fds take at most a quarter of the daemon's open-file limit.
         self.max_dirs = max(0, min(MAX_DIRS, fd_limit // 4))
         if writeback_cache:
             self.reason = "off with --writeback-cache (the kernel allows one or the other)"
+            self.hook_init()
             return
         if _passthrough is None:
             self.reason = "kvfs.daemon._passthrough is not built (gcc, python3-dev?)"
@@ -183,6 +188,19 @@ class Passthrough:
             self.reason = f"cannot hook libfuse's replies: {exc}"
             return
         self.state, self.reason = "starting", "waiting for the kernel's INIT"
+
+    def hook_init(self) -> None:
+        """Without passthrough: libfuse's replies hooked for the INIT reply's
+        FUSE_HANDLE_KILLPRIV_V2 alone, so that a write(2) through the daemon costs its WRITE
+        requests and no GETXATTR before each (max_stack_depth 0: passthrough not offered)."""
+        if _passthrough is None:
+            return
+        try:
+            _passthrough.hook(fuse_fd(), 0)
+            self.init_only = True
+        except OSError as exc:
+            log.info("libfuse's replies are its own (%s): the kernel asks the daemon for "
+                     "security.capability before each write", exc)
 
     async def probe(self, path: str) -> None:
         """Once INIT is answered: register one regular file (`path`, root's) and release it,
@@ -220,8 +238,9 @@ class Passthrough:
     def unhook(self) -> None:
         """The session is closed: the request thread ends, libfuse gets its own writev and
         read back."""
-        if _passthrough is not None and self.dev >= 0:
+        if _passthrough is not None and (self.dev >= 0 or self.init_only):
             _passthrough.unhook()
+            self.init_only = False
             self.dev = -1
             self.routed = False
             self.delegated.clear()
