@@ -114,8 +114,8 @@ NAME_MAX = 255
 #: leaves clearing them on a write, truncate or chown to the daemon (the INIT reply's
 #: FUSE_HANDLE_KILLPRIV_V2, kvfs.daemon._passthrough), and a passthrough write never reaches
 #: the daemon; with none to clear, a write asks nothing (docs/architecture.md, "The mount
-#: door"). Dropped where a file is created or changes mode, and from the modes of files found
-#: in the backing tree.
+#: door"). Dropped where a file is created or changes mode, and never shown to the kernel (a
+#: file found in the backing tree with them keeps them there, unused: the mount is nosuid).
 FILE_SXID = stat.S_ISUID | stat.S_ISGID
 
 T = TypeVar("T")
