@@ -352,7 +352,7 @@ class Operations(pyfuse3.Operations):
             await self.tree.passthrough.ready.wait()  # the first creates after the mount
         await self.adoption.ensure_listed(parent_inode)
         parent = self._new_entry(parent_inode, name, is_dir=False, ctx=ctx)
-        mode = stat.S_IMODE(mode) & ~ctx.umask & ~(stat.S_ISUID | stat.S_ISGID)  # tree.FILE_SXID
+        mode = self.tree.file_mode(mode, ctx.umask)
         gid = owner_gid(parent, ctx)
         path = join(self.tree.path(parent), name)
         bflags = backing_flags(flags)

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..format.config import ConfigError, parse_size, read_toml
 from ..models.policy import DEFAULT_POLICY, POLICIES
+from . import wakeup
 
 #: A setting's value kinds: how its text (command line) and its TOML value are read.
 KINDS = ("str", "int", "float", "bool", "size")
@@ -215,7 +216,7 @@ SETTINGS: tuple[Setting, ...] = (
             "request, where the host's `fuse` module has a `wake_here` parameter: `on` (the "
             "caller's: round trips several times shorter on a VM; host-wide, kept after "
             "unmount), `off`, or `keep` (as the host has it; docs/operations.md)",
-            choices=("on", "off", "keep")),
+            choices=wakeup.CHOICES),
     Setting("keep_cache", "bool", True, "files the daemon serves (passthrough off or "
             "refused): readers keep the kernel's page cache of a file nobody has open for "
             "writing (`--no-keep-cache`: dropped at each open)"),

@@ -335,6 +335,11 @@ class Tree:
         of = self.open_files.get(node.inode)
         return of.size if of is not None and of.dirty else node.size
 
+    @staticmethod
+    def file_mode(mode: int, umask: int) -> int:
+        """A new file's permission bits: the caller's umask applied, FILE_SXID dropped."""
+        return stat.S_IMODE(mode) & ~umask & ~FILE_SXID
+
     def attrs(self, node: Node) -> pyfuse3.EntryAttributes:
         a = pyfuse3.EntryAttributes()
         a.st_ino = node.inode
