@@ -57,11 +57,17 @@ STACKED = {0x794C7630, 0x65735546, 0xF15F}
 PASS_HEADROOM = 64 << 20
 #: How long after the mount the INIT reply may take before passthrough is given up.
 INIT_WAIT = 10.0
-#: Slots of the request thread's table (a power of two); at most half are delegated inodes,
-#: the least recently delegated taken back first. Each holds a backing file open in the
-#: kernel (no fd of the daemon's).
+#: Slots of the request thread's table (a power of two); at most half are live (the module
+#: takes no more): the attributes of MAX_ATTRIBUTES directories (those changed last) and
+#: delegated inodes, the least recently delegated taken back first. Each delegated one holds
+#: a backing file open in the kernel (no fd of the daemon's). The two limits share the half,
+#: so that a mount with many files delegated still has room for the attributes of the
+#: directories it creates in: without them the kernel's GETATTR of a directory before each
+#: create there (its attributes are stale after every create) is a round trip through the
+#: daemon's loop.
 TABLE_SLOTS = 1 << 15
-MAX_DELEGATED = TABLE_SLOTS // 2
+MAX_ATTRIBUTES = 2048
+MAX_DELEGATED = TABLE_SLOTS // 2 - MAX_ATTRIBUTES
 #: Directories handed over at most (the module's table has twice the slots), the least
 #: recently handed over taken back first. Each holds an fd of its backing directory (so at
 #: most a quarter of the daemon's open-file limit, `hook`).
@@ -141,8 +147,9 @@ class Passthrough:
     delegated: OrderedDict[int, tuple[Any, int]] = field(default_factory=OrderedDict)
     # Opens the thread answered of inodes revoked since the last harvest, as it returns them.
     unharvested: list[tuple[int, Any, int, int, int]] = field(default_factory=list)
-    # Directories whose GETATTR the request thread answers (`put_attrs`).
-    attributes: set[int] = field(default_factory=set)
+    # Directories whose GETATTR the request thread answers (`put_attrs`), the one changed
+    # least recently first.
+    attributes: OrderedDict[int, None] = field(default_factory=OrderedDict)
     # Revoked while opens the thread gave out are open: their backing id is kept (the kernel
     # wants every passthrough open of an inode on one backing file) until they are released.
     lingering: dict[int, tuple[Any, int]] = field(default_factory=dict)
@@ -315,7 +322,7 @@ class Passthrough:
         if self.attributes and (inode is None or inode in self.attributes):
             for i in list(self.attributes) if inode is None else (inode,):
                 _passthrough.ready_drop(i)
-                self.attributes.discard(i)
+                self.attributes.pop(i, None)
         if not self.delegated:
             return
         for i in list(self.delegated) if inode is None else (inode,):
@@ -388,9 +395,18 @@ class Passthrough:
     def put_attrs(self, inode: int, attrs: Any) -> None:
         """Let the request thread answer GETATTR of directory `inode` with `attrs` (its
         attributes now, after a change of its entries), until `revoke`."""
-        if self.routed and inode not in self.delegated and inode not in self.lingering:
-            if _passthrough.ready_put(inode, 0, fuse_attr(attrs)):
-                self.attributes.add(inode)
+        if not self.routed or inode in self.delegated or inode in self.lingering:
+            return
+        if inode in self.attributes:
+            self.attributes.move_to_end(inode)
+        else:
+            while len(self.attributes) >= MAX_ATTRIBUTES:
+                _passthrough.ready_drop(self.attributes.popitem(last=False)[0])
+        if _passthrough.ready_put(inode, 0, fuse_attr(attrs)):
+            self.attributes[inode] = None
+        elif inode in self.attributes:  # (its old attributes must not stay answered)
+            del self.attributes[inode]
+            _passthrough.ready_drop(inode)
 
     def hold(self, inode: int) -> bool:
         """Keep `inode`'s backing id registered (a reference more, given back with `release`)
@@ -456,7 +472,8 @@ class Passthrough:
                 "replies_missed": st.get("opens_missed", 0),
                 "request_thread": bool(st.get("routed")), "delegated": len(self.delegated),
                 "thread_creates": self.creates_on, "thread_creates_halted": self.creates_halted,
-                "directories": len(self.dirs), "forwarded": st.get("forwarded", 0)}
+                "directories": len(self.dirs), "attributes": len(self.attributes),
+                "forwarded": st.get("forwarded", 0)}
 
     def thread_requests(self) -> dict[str, int]:
         """Requests the request thread answered, by kind (stats.json `requests`, as
