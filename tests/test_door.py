@@ -232,12 +232,13 @@ def test_bench_door_writes_a_record(tmp_path):
     if fuse_available():
         pytest.skip(fuse_available())
     out = tmp_path / "door.json"
-    kvfs("bench", "door", "--files", "20", "--scale", "0.05", "--repeats", "1",
+    kvfs("bench", "door", "--files", "20", "--scale", "0.05", "--repeats", "1", "--aged", "100",
          "--round-trips", "50", "--no-cold", "--dir", str(tmp_path), "--json", str(out))
     import json
 
     record = json.loads(out.read_text())
     assert record["benchmark"] == "door" and record["conditions"]["cores"]
+    assert record["aged_files"] == 100  # every side saw them before the patterns
     figures = {r["figure"] for r in record["rows"]}
     assert "small: create+write+close per file" in figures
     assert {"vllm: write", "sglang: warm read", "lmcache-direct: write",
@@ -289,6 +290,8 @@ def test_bench_door_writes_a_record(tmp_path):
     assert not record["problems"]
     bad = kvfs("bench", "door", "--patterns", "nope", "--dir", str(tmp_path), check=False)
     assert bad.returncode == 2 and "nope" in bad.stderr
+    bad = kvfs("bench", "door", "--aged", "-1", "--dir", str(tmp_path), check=False)
+    assert bad.returncode == 2 and "--aged" in bad.stderr
 
 
 def test_no_keep_cache_drops_the_pages_at_each_open(mount_factory):

@@ -64,8 +64,8 @@ def cmd_bench_door(args: argparse.Namespace) -> int:
         raise CliError(str(exc), EXIT_USAGE) from None
     patterns = [p for p in args.patterns.split(",") if p]
     bad = [p for p in patterns if p not in door.PATTERNS]
-    if bad or not patterns or args.repeats < 1 or args.scale <= 0:
-        raise CliError(f"bad --patterns/--repeats/--scale ({', '.join(bad)}); patterns: "
+    if bad or not patterns or args.repeats < 1 or args.scale <= 0 or args.aged < 0:
+        raise CliError(f"bad --patterns/--repeats/--scale/--aged ({', '.join(bad)}); patterns: "
                        f"{', '.join(door.PATTERNS)}", EXIT_USAGE)
     why = fuse_available()
     if why and why.startswith(("no /dev/fuse", "fusermount3")):
