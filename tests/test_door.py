@@ -238,7 +238,7 @@ def test_bench_door_writes_a_record(tmp_path):
 
     record = json.loads(out.read_text())
     assert record["benchmark"] == "door" and record["conditions"]["cores"]
-    assert record["aged_files"] == 100  # every side saw them before the patterns
+    assert record["aged_files"] == 100  # the mount and the plain side saw them first
     figures = {r["figure"] for r in record["rows"]}
     assert "small: create+write+close per file" in figures
     assert {"vllm: write", "sglang: warm read", "lmcache-direct: write",
