@@ -454,7 +454,7 @@ class Made:
         if node is None:
             log.warning("the request thread renamed %r, which the index does not have", old)
             return
-        old_path = tree.path(node)
+        old_path = tree.path(node) if tree.audit is not None else b""
         held = tree.passthrough.hold(node.inode)  # delegated, it stays so (as at fs.rename)
         tree.index.move(node.inode, parent, new)
         tree.index.update(node.inode, ctime_ns=max(time_ns, node.ctime_ns))  # (as answered)
