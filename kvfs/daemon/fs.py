@@ -557,10 +557,10 @@ class Operations(pyfuse3.Operations):
         self.tree.purge_orphan(h.inode)
 
     def complete_later(self, inode: int) -> None:
-        """Check a file as a block in the background (`adoption.complete`): not one neither
-        named as a block nor indexed as one (an engine's temporary, any other file), for
-        which the check has nothing to do (a task spawned for nothing costs more than the
-        test). A later rename into a block's name is the daemon's, which checks it then."""
+        """Check a file as a block in the background (`adoption.complete`), unless it is
+        neither named as a block nor indexed as one (an engine's temporary, any other file):
+        the check would have nothing to do, and a task spawned for nothing costs more than
+        this test. A later rename into a block's name is the daemon's, which checks it then."""
         node = self.index.find(inode)
         if (node is None or self.tree.nursery is None
                 or (node.block_hash is None and hashing.parse_block_filename(
